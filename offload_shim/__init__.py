@@ -1,0 +1,75 @@
+"""offload_shim: collectives on CPU tensors over process groups that only have an accelerator backend.
+
+FSDP2 CPU offload, optimizer offload and CPU-side state dicts leave tensors on the CPU. On a process group with
+only NCCL (or HCCL, XCCL) a collective on such a tensor fails with ``RuntimeError: No backend type associated
+with device type cpu``. With the shim installed, the collective is staged instead: the tensor is copied to the
+accelerator (pinned, non-blocking), the collective runs there on the group's own backend, and the result comes
+back to where the caller expects it, with the same semantics and the same bits.
+
+Importing this package installs the wrappers, unless ``OFFLOAD_SHIM`` is false (see ``offload_shim._config``
+for every environment variable). Public API: :func:`install`, :func:`uninstall`, :func:`is_installed`,
+:func:`configure`, :func:`wrapped_functions`, :class:`StagingError`, :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+import logging
+
+from offload_shim import _patching
+from offload_shim._config import ConfigError, Settings, configure, settings
+from offload_shim._devices import StagingError
+
+__all__ = [
+    "ConfigError",
+    "Settings",
+    "StagingError",
+    "configure",
+    "install",
+    "is_installed",
+    "settings",
+    "uninstall",
+    "wrapped_functions",
+]
+
+logging.getLogger("offload_shim").addHandler(logging.NullHandler())
+
+
+def _targets():
+    from offload_shim import _patch_c10d, _patch_dtensor, _patch_functional
+
+    return [*_patch_c10d.TARGETS, *_patch_functional.TARGETS, *_patch_dtensor.TARGETS]
+
+
+def install() -> None:
+    """Install the wrappers: ``torch.distributed.all_reduce`` and ``broadcast`` now (under every name that
+    holds them), the functional collectives and ``DTensor.full_tensor`` now or when torch first imports their
+    module. Installing twice changes nothing. Does nothing where ``torch.distributed`` is unavailable."""
+    import torch.distributed
+
+    if not torch.distributed.is_available():
+        logging.getLogger("offload_shim").info("offload_shim: torch.distributed is unavailable; nothing installed")
+        return
+    _patching.install(_targets())
+
+
+def uninstall() -> None:
+    """Remove the wrappers: the exact original objects are bound again under every name where a wrapper was
+    (modules imported while the shim was installed included). Removing twice changes nothing."""
+    _patching.uninstall()
+
+
+def is_installed() -> bool:
+    """Whether the wrappers are installed."""
+    return _patching.is_installed()
+
+
+def wrapped_functions() -> dict:
+    """The wrappers in place now, by the dotted name of the torch function each wraps."""
+    return _patching.applied_wrappers()
+
+
+from offload_shim import _startup  # noqa: E402
+
+_startup.activate_on_import()

@@ -1,0 +1,160 @@
+"""Device and backend resolution: which device types a process group serves, and where to stage.
+
+The decision for one call (:func:`staging_device_for`):
+
+* the input is not a CPU tensor, or the group serves CPU: no staging (the caller's call runs untouched);
+* otherwise the tensor is staged through an accelerator device of a type the group serves: the device bound
+  to the group (``ProcessGroup.bound_device_id``), else the current ``torch.accelerator`` device;
+* no such device: :class:`StagingError`, raised before any collective is entered, so every rank of the
+  group raises it instead of some ranks blocking in the collective.
+
+Which device types a group serves comes from the group's own record (``ProcessGroup._device_types``, the
+device types that have a backend registered on it, which is what ``ProcessGroup::getBackend`` dispatches
+on); where a torch lacks that record, from ``Backend.backend_capability`` for the group's backend names.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from offload_shim import _config, _staging
+
+
+class StagingError(RuntimeError):
+    """A CPU tensor reached a collective whose process group serves no CPU backend, and it cannot be staged
+    through an accelerator from this process. The caller's tensors are unchanged.
+
+    Subclasses ``RuntimeError``, the type of torch's own ``No backend type associated with device type cpu``.
+    """
+
+
+def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
+    """Device types (``"cpu"``, ``"cuda"``, ...) that have a backend registered on ``group``."""
+    devices = getattr(group, "_device_types", None)
+    if devices is not None:
+        return frozenset(d.type for d in devices)
+    served = set()
+    for name in _backend_names(group):
+        served.update(dist.Backend.backend_capability.get(name, ()))
+    return frozenset(served)
+
+
+def backend_description(group: dist.ProcessGroup) -> str:
+    """The group's backend configuration as torch names it, e.g. ``'nccl'`` or ``'cpu:gloo,cuda:nccl'``."""
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # a group torch does not know by handle (never expected): describe what we can
+        return "unknown"
+
+
+def _backend_names(group: dist.ProcessGroup) -> list[str]:
+    names = []
+    for part in backend_description(group).split(","):
+        names.append(part.split(":")[-1].strip().lower())
+    return names
+
+
+def group_label(group: dist.ProcessGroup) -> str:
+    name = getattr(group, "group_name", None)
+    desc = getattr(group, "group_desc", None)
+    return f"{name!r}" + (f" ({desc})" if desc and desc != "undefined" else "")
+
+
+def resolve_c10d_group(group) -> dist.ProcessGroup | None:
+    """The process group a ``torch.distributed`` collective will use: ``group``, or the default group for
+    ``None``. ``None`` when there is none (torch then raises its own error) or when ``group`` is not a
+    process group (e.g. ``GroupMember.NON_GROUP_MEMBER``, for which torch returns without communicating)."""
+    if group is None:
+        if not dist.is_initialized():
+            return None
+        group = dist.distributed_c10d._get_default_group()
+    return group if isinstance(group, dist.ProcessGroup) else None
+
+
+def resolve_functional_group(group, tag: str = "") -> dist.ProcessGroup | None:
+    """The process group a functional collective (``torch.distributed._functional_collectives``) will use.
+
+    ``group`` is anything those functions take: a ``ProcessGroup``, a group name, a 1-D ``DeviceMesh``, a
+    ``(DeviceMesh, dim)`` pair, or a list of ranks. ``None`` when it cannot be resolved (torch then raises).
+    """
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    try:
+        if isinstance(group, tuple) and len(group) == 2 and hasattr(group[0], "get_group"):
+            return group[0].get_group(group[1])
+        if hasattr(group, "get_group") and hasattr(group, "ndim"):
+            return group.get_group(0) if group.ndim == 1 else None
+        import torch.distributed._functional_collectives as funcol
+
+        with warnings.catch_warnings():
+            # A list of ranks is deprecated: torch's own call, just after ours, warns once.
+            warnings.simplefilter("ignore", FutureWarning)
+            name = funcol._resolve_group_name(group, tag)
+        return dist.distributed_c10d._resolve_process_group(name)
+    except Exception:
+        return None
+
+
+def _accelerator_device(served: frozenset[str]) -> torch.device | None:
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type not in served or not torch.accelerator.is_available():
+        return None
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def staging_device_for(tensor: torch.Tensor, group: dist.ProcessGroup, collective: str) -> torch.device | None:
+    """Where to stage ``tensor`` for ``collective`` on ``group``; ``None`` to run the call untouched.
+
+    Raises:
+        StagingError: ``tensor`` is on the CPU, ``group`` serves no CPU backend, and no device of a type the
+            group serves is usable from this process.
+    """
+    if tensor.device.type != "cpu" or _staging.in_staged_call():
+        return None
+    served = served_device_types(group)
+    settings = _config.settings()
+    cpu_served = "cpu" in served
+    if cpu_served and not settings.always_stage:
+        return None
+    device = settings.staging_device
+    if device is None:
+        bound = getattr(group, "bound_device_id", None)
+        device = bound if bound is not None and bound.type in served else _accelerator_device(served)
+    if device is not None and device.type in served:
+        return device
+    if cpu_served:
+        return None
+    raise StagingError(_unstageable_message(tensor, group, collective, served, settings.staging_device))
+
+
+def _unstageable_message(tensor, group, collective, served, configured) -> str:
+    accelerator = torch.accelerator.current_accelerator()
+    if configured is not None:
+        why = f"the configured staging device {str(configured)!r} ({_config.ENV_STAGING_DEVICE}) is not of a served type"
+    elif accelerator is None:
+        why = "this process has no accelerator (torch.accelerator.current_accelerator() is None)"
+    elif accelerator.type not in served:
+        why = f"this process's accelerator is {accelerator.type!r}, which the group does not serve"
+    else:
+        why = f"this process's accelerator {accelerator.type!r} is not available"
+    return (
+        f"offload_shim: {collective} got a tensor on {tensor.device} ({tuple(tensor.shape)}, {tensor.dtype}), but "
+        f"process group {group_label(group)} with backend {backend_description(group)!r} serves device types "
+        f"{sorted(served)} only, and staging through an accelerator is impossible: {why}. "
+        f"Ways out: run this rank where an accelerator of a served type is usable "
+        f"({', '.join(sorted(served))}); or give the group a CPU backend, e.g. "
+        f"init_process_group({_with_cpu_backend(group, served)!r}) "
+        f"(CPU tensors then travel over Gloo); or move the tensor to the accelerator before the call. "
+        f"The tensor was not modified. (This is torch's 'No backend type associated with device type cpu'.)"
+    )
+
+
+def _with_cpu_backend(group, served) -> str:
+    """The group's backend string with Gloo added for CPU, e.g. ``'nccl'`` -> ``'cpu:gloo,cuda:nccl'``."""
+    description = backend_description(group)
+    if ":" not in description:
+        description = ",".join(f"{t}:{description}" for t in sorted(served))
+    return f"cpu:gloo,{description}"

@@ -1,0 +1,64 @@
+"""Wrapper for ``DTensor.full_tensor``.
+
+FSDP2 with ``CPUOffloadPolicy`` builds DTensors whose local tensor is a pinned CPU tensor on a ``cuda`` device
+mesh. ``full_tensor()`` of such a DTensor, on a mesh whose groups serve no CPU backend, is staged whole: the
+local shard goes to the staging device once, the original ``full_tensor`` gathers it there (every redistribution
+hop on the accelerator), and the full tensor comes back once, to the local tensor's device. Autograd passes
+through (``to_local``, ``DTensor.from_local`` and the copies are differentiable). Without this wrapper the
+functional-collective wrappers would still stage each hop of the redistribution, copying to and fro per mesh
+dimension.
+
+Side effects are safe to repeat: under ``torch.compile`` this wrapper has been seen to run twice for one call.
+"""
+
+from __future__ import annotations
+
+from offload_shim import _devices, _staging
+from offload_shim._patching import Target
+
+MODULE = "torch.distributed.tensor._api"
+
+
+def _staging_device_for_mesh(local, mesh):
+    """The device to stage ``local`` through for a collective on every dimension of ``mesh``, or ``None``."""
+    devices = {
+        _devices.staging_device_for(local, mesh.get_group(dim), "DTensor.full_tensor") for dim in range(mesh.ndim)
+    }
+    devices.discard(None)
+    if not devices:
+        return None
+    if len(devices) > 1:
+        raise _devices.StagingError(
+            f"offload_shim: DTensor.full_tensor on mesh {mesh} would stage through several devices "
+            f"{sorted(map(str, devices))}; set OFFLOAD_SHIM_STAGING_DEVICE to choose one"
+        )
+    return devices.pop()
+
+
+def _make_full_tensor_wrapper(original):
+    def wrapper(wrapped, instance, args, kwargs):
+        local = instance._local_tensor
+        if local.device.type != "cpu":
+            return wrapped(*args, **kwargs)
+        mesh = instance.device_mesh
+        device = _staging_device_for_mesh(local, mesh)
+        if device is None:
+            return wrapped(*args, **kwargs)
+        from torch.distributed.tensor import DTensor
+
+        staged = DTensor.from_local(
+            _staging.to_staging(instance.to_local(), device),
+            mesh,
+            instance.placements,
+            run_check=False,
+            shape=instance.shape,
+            stride=instance.stride(),
+        )
+        with _staging.staged_call():
+            full = original(staged, *args, **kwargs)
+        return _staging.to_caller(full, local.device)
+
+    return wrapper
+
+
+TARGETS = [Target(MODULE, "full_tensor", _make_full_tensor_wrapper, owner="DTensor")]

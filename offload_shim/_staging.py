@@ -1,0 +1,154 @@
+"""The staging engine: host tensors to the staging device and back, with stream ordering kept.
+
+H2D: from pinned host memory (the caller's tensor if pinned, else a pinned copy from torch's caching host
+allocator) with a non-blocking copy on the staging device's current stream. Collectives enqueued after it on
+that stream (NCCL, HCCL and XCCL make their own stream wait on the current one) see the copied bytes.
+
+D2H: on the staging device's current stream, after the collective's result is ready on it (torch's
+``Work.wait()`` and ``wait_tensor`` make the current stream wait on the communication stream), then a wait
+on that stream before the result is handed to the caller, so no caller reads a buffer before the copy into
+it has finished.
+
+A staging device of type ``cpu`` (a testing configuration, see ``OFFLOAD_SHIM_STAGING_DEVICE``) takes the same
+path with plain host copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+_calls = threading.local()
+
+
+@contextlib.contextmanager
+def staged_call() -> Iterator[None]:
+    """Marks the original collective running on staged tensors: a collective it calls in turn (``full_tensor``
+    calls the functional collectives; ``all_gather_tensor`` calls ``all_gather_single``) is not staged again."""
+    depth = getattr(_calls, "depth", 0)
+    _calls.depth = depth + 1
+    try:
+        yield
+    finally:
+        _calls.depth = depth
+
+
+def in_staged_call() -> bool:
+    return getattr(_calls, "depth", 0) > 0
+
+
+def _is_pinned(tensor: torch.Tensor) -> bool:
+    try:
+        return tensor.is_pinned()
+    except RuntimeError:  # no accelerator runtime to ask
+        return False
+
+
+def _finish_on(device: torch.device) -> None:
+    """Block the host until work queued so far on ``device``'s current stream has finished."""
+    if device.type != "cpu":
+        torch.accelerator.current_stream(device).synchronize()
+
+
+def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of host ``tensor`` on ``device``: same shape, dtype and strides where dense, new storage.
+
+    Differentiable (``Tensor.to``), so functional collectives keep their autograd graph.
+    """
+    if device.type == "cpu":
+        return tensor.clone()
+    source = tensor
+    if not _is_pinned(source):
+        source = torch.empty_like(tensor, pin_memory=True)
+        source.copy_(tensor)
+    return source.to(device, non_blocking=True)
+
+
+def to_caller(staged: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new tensor on the caller's ``device`` holding ``staged``, complete when this returns (pinned when
+    it comes from an accelerator). Differentiable."""
+    if staged.device.type == "cpu":
+        return staged if device.type == "cpu" else staged.to(device)
+    out = staged.to(device, non_blocking=True)
+    _finish_on(staged.device)
+    return out
+
+
+def copy_into(destination: torch.Tensor, staged: torch.Tensor) -> None:
+    """Write ``staged`` into the caller's own ``destination`` (same object, dtype, shape, strides and
+    storage), complete when this returns. Outside autograd, like the in-place collective it completes."""
+    with torch.no_grad():
+        destination.copy_(staged, non_blocking=_is_pinned(destination))
+    _finish_on(staged.device)
+
+
+class StagedWork(dist.Work):
+    """Work handle of an ``async_op=True`` collective run on a staged tensor.
+
+    ``wait()``, ``synchronize()``, ``is_completed()`` (once it returns ``True``) and the future of
+    ``get_future()`` finish the copy back into the caller's tensor before they return, so a caller who waits
+    as torch asks never reads the tensor before it holds the result. Until then the caller's tensor holds
+    unspecified contents, as it does for torch's own asynchronous collectives. If the collective fails, the
+    error is raised as torch raises it and the caller's tensor is not written.
+    """
+
+    def __init__(self, work: dist.Work, finish: Callable[[], None], tensors: list[torch.Tensor]):
+        super().__init__()
+        self._work = work
+        self._finish = finish
+        self._tensors = tensors
+        self._finished = False
+        self._lock = threading.Lock()
+
+    def _complete(self) -> None:
+        with self._lock:
+            if not self._finished:
+                self._finish()
+                self._finished = True
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        done = self._work.wait(timeout) if timeout else self._work.wait()
+        self._complete()
+        return done
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        if self._finished:
+            return True
+        if not self._work.is_completed():
+            return False
+        self.wait()
+        return True
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self):
+        return self._work.exception()
+
+    def source_rank(self) -> int:
+        return self._work.source_rank()
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return list(self._tensors)
+
+    def get_future(self) -> torch.futures.Future:
+        def finished(future: torch.futures.Future) -> list[torch.Tensor]:
+            future.value()  # re-raises the collective's error
+            # torch runs this callback with the current streams made to wait on the collective's.
+            self._complete()
+            return list(self._tensors)
+
+        return self._work.get_future().then(finished)

@@ -1,0 +1,277 @@
+"""The staging path run for real on CPU ranks: real copies, a real Gloo collective on the staged tensor, the
+real copy back. ``configure(staging_device="cpu", always_stage=True)`` is the testing configuration that
+makes a Gloo group's CPU tensors take the path an accelerator-only group's take on a GPU machine.
+
+Each check compares the staged call with the same call made without staging, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import offload_shim
+from offload_shim import _staging
+
+# ---------------------------------------------------------------- helpers run inside the ranks
+
+
+@contextlib.contextmanager
+def staging_through_cpu():
+    """Install the shim, stage every CPU tensor through the CPU, and record each staging copy's device."""
+    offload_shim.install()
+    previous = offload_shim.configure(staging_device="cpu", always_stage=True)
+    copies = []
+    to_staging = _staging.to_staging
+
+    def recording(tensor, device):
+        copies.append(str(device))
+        return to_staging(tensor, device)
+
+    _staging.to_staging = recording
+    try:
+        yield copies
+    finally:
+        _staging.to_staging = to_staging
+        offload_shim.configure(**dataclasses.asdict(previous))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def rank_input(shape, dtype, seed):
+    generator = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    return torch.randint(-100, 100, shape, generator=generator).to(dtype)
+
+
+OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+
+
+def check_all_reduce(shape, dtype_name, op_name, seed, offset):
+    dtype = getattr(torch, dtype_name)
+    base = rank_input(shape, dtype, seed)
+    expected = base.clone()
+    dist.all_reduce(expected, op=OPS[op_name])
+    # The caller's tensor is a view into a larger buffer, at a storage offset.
+    buffer = torch.zeros(base.numel() + offset, dtype=dtype)
+    tensor = buffer[offset:].view(shape)
+    tensor.copy_(base)
+    pointer, strides = tensor.data_ptr(), tensor.stride()
+    with staging_through_cpu() as copies:
+        returned = dist.all_reduce(tensor, op=OPS[op_name])
+    assert returned is None
+    assert copies == ["cpu"], copies
+    assert (tensor.data_ptr(), tensor.stride(), tensor.dtype, tensor.shape) == (pointer, strides, dtype, shape)
+    assert same_bits(tensor, expected)
+    assert torch.equal(buffer[:offset], torch.zeros(offset, dtype=dtype)), "wrote outside the caller's view"
+
+
+def check_broadcast(src, shape, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    base = rank_input(shape, dtype, seed=7)
+    expected = base.clone()
+    dist.broadcast(expected, src=src)
+    with staging_through_cpu() as copies:
+        synchronous = base.clone()
+        assert dist.broadcast(synchronous, src=src) is None
+        by_wait = base.clone()
+        work = dist.broadcast(by_wait, src=src, async_op=True)
+        assert isinstance(work, dist.Work)
+        assert work.wait() is True
+        by_future = base.clone()
+        future = dist.broadcast(by_future, src=src, async_op=True).get_future()
+        value = future.wait()
+        by_group_src = base.clone()
+        dist.broadcast(by_group_src, group=dist.group.WORLD, group_src=src)
+    assert len(copies) == 4
+    for tensor in (synchronous, by_wait, by_future, by_group_src):
+        assert same_bits(tensor, expected)
+    assert value[0] is by_future
+
+
+def check_async_handles_out_of_order():
+    first, second = rank_input((1000,), torch.float32, 1), rank_input((33,), torch.float32, 2)
+    expected_first, expected_second = first.clone(), second.clone()
+    dist.all_reduce(expected_first)
+    dist.all_reduce(expected_second, op=dist.ReduceOp.MAX)
+    with staging_through_cpu():
+        work_first = dist.all_reduce(first, async_op=True)
+        work_second = dist.all_reduce(second, op=dist.ReduceOp.MAX, async_op=True)
+        work_second.wait()
+        assert same_bits(second, expected_second)
+        while not work_first.is_completed():
+            pass
+        assert same_bits(first, expected_first)  # is_completed() True means the copy back is done
+        assert work_first.wait() is True  # waiting again changes nothing
+        assert work_first.result() == [first]
+    assert same_bits(first, expected_first)
+
+
+def check_served_path_untouched():
+    offload_shim.install()
+    tensor = torch.arange(4.0)
+    pointer = tensor.data_ptr()
+    copies = []
+    to_staging = _staging.to_staging
+    _staging.to_staging = lambda t, d: copies.append(d) or to_staging(t, d)
+    try:
+        dist.all_reduce(tensor)
+        funcol.all_reduce(tensor, "sum", dist.group.WORLD)
+    finally:
+        _staging.to_staging = to_staging
+    assert copies == [] and tensor.data_ptr() == pointer
+    assert torch.equal(tensor, torch.arange(4.0) * 2)
+
+
+def check_functional(group_kind):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = {
+        "process_group": dist.group.WORLD,
+        "ranks": [0, 1],
+        "mesh": init_device_mesh("cpu", (2,)),
+        "group_name": dist.group.WORLD.group_name,
+    }[group_kind]
+    x = rank_input((4, 3), torch.float32, seed=3)
+    original = x.clone()
+    calls = {
+        "all_reduce": lambda t: funcol.all_reduce(t, "sum", group),
+        "all_reduce_max": lambda t: funcol.all_reduce(t, "max", group),
+        "all_gather_single": lambda t: funcol.all_gather_single(t, 0, group),
+        "all_gather_single_dim1": lambda t: funcol.all_gather_single(t, 1, group),
+        "reduce_scatter_single": lambda t: funcol.reduce_scatter_single(t, "sum", 0, group),
+        "broadcast": lambda t: funcol.broadcast(t, 1, group),
+    }
+    for name, call in calls.items():
+        expected = funcol.wait_tensor(call(x))
+        with staging_through_cpu() as copies:
+            got = call(x)
+        assert copies == ["cpu"], (name, copies)
+        assert type(got) is torch.Tensor and got.device.type == "cpu", name
+        assert same_bits(got, expected), name
+        assert same_bits(x, original), f"{name} changed its input"
+
+
+def check_functional_autograd():
+    weights = torch.arange(1.0, 9.0)
+    results = []
+    for stage in (False, True):
+        x = rank_input((4,), torch.float32, seed=5).requires_grad_()
+        with staging_through_cpu() if stage else contextlib.nullcontext():
+            y = funcol.all_gather_single(x, 0, dist.group.WORLD)
+            (y * weights).sum().backward()
+        results.append((y.detach(), x.grad))
+    (y0, g0), (y1, g1) = results
+    assert same_bits(y0, y1) and same_bits(g0, g1)
+
+
+def check_full_tensor():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(35.0).reshape(7, 5)  # 7 rows over 2 ranks: uneven shards
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    partial = DTensor.from_local(rank_input((3, 2), torch.float32, seed=9), mesh, [Partial()])
+    expected_partial = partial.full_tensor()
+    with staging_through_cpu() as copies:
+        got = sharded.full_tensor()
+        got_partial = partial.full_tensor()
+        with torch.no_grad():
+            got_no_grad = sharded.full_tensor()
+    assert copies == ["cpu"] * 3, copies
+    assert type(got) is torch.Tensor and same_bits(got, full) and same_bits(got_no_grad, full)
+    assert same_bits(got_partial, expected_partial)
+
+
+def check_clip_grad_norm(norm_type):
+    """clip_grad_norm_ on DTensor gradients reduces its Partial norm through funcol.all_reduce (case 01)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    norms, grads = [], []
+    for stage in (False, True):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(6, 3), mesh, [Shard(0)])) for _ in range(2)]
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(6, 3) * 3, mesh, [Shard(0)])
+        with staging_through_cpu() if stage else contextlib.nullcontext() as copies:
+            norm = torch.nn.utils.clip_grad_norm_(params, 1.0, norm_type=norm_type, error_if_nonfinite=True)
+            norms.append(norm.full_tensor())
+        if stage:
+            assert copies, "the norm's reduction was not staged"
+        grads.append([p.grad.full_tensor() for p in params])
+    assert same_bits(norms[0], norms[1])
+    assert all(same_bits(a, b) for a, b in zip(*grads))
+
+
+# ---------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float64", "int64", "uint8"])
+@pytest.mark.parametrize("op_name", ["sum", "max"])
+def test_all_reduce_staged_equals_unstaged(gloo_ranks, dtype_name, op_name):
+    gloo_ranks.run(check_all_reduce, (3, 5), dtype_name, op_name, 1, 3)
+
+
+def test_all_reduce_zero_dim(gloo_ranks):
+    gloo_ranks.run(check_all_reduce, (), "float32", "sum", 2, 1)
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    shape=st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple),
+    dtype_name=st.sampled_from(["float32", "float16", "bfloat16", "int32", "int8"]),
+    op_name=st.sampled_from(sorted(OPS)),
+    seed=st.integers(0, 2**16),
+    offset=st.integers(0, 5),
+)
+def test_all_reduce_property(gloo_ranks, shape, dtype_name, op_name, seed, offset):
+    gloo_ranks.run(check_all_reduce, shape, dtype_name, op_name, seed, offset)
+
+
+@pytest.mark.parametrize("src", [0, 1])
+def test_broadcast_sync_and_async(gloo_ranks, src):
+    gloo_ranks.run(check_broadcast, src, (17, 3), "bfloat16")
+
+
+def test_async_handles_waited_out_of_order(gloo_ranks):
+    gloo_ranks.run(check_async_handles_out_of_order)
+
+
+def test_served_path_makes_no_copy(gloo_ranks):
+    gloo_ranks.run(check_served_path_untouched)
+
+
+@pytest.mark.parametrize("group_kind", ["process_group", "ranks", "mesh", "group_name"])
+def test_functional_collectives(gloo_ranks, group_kind):
+    gloo_ranks.run(check_functional, group_kind)
+
+
+def test_functional_autograd(gloo_ranks):
+    gloo_ranks.run(check_functional_autograd)
+
+
+def test_dtensor_full_tensor(gloo_ranks):
+    gloo_ranks.run(check_full_tensor)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_on_dtensor(gloo_ranks, norm_type):
+    gloo_ranks.run(check_clip_grad_norm, norm_type)
