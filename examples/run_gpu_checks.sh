@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One command for every GPU result this project commits (needs 2 accelerators of one host):
+#   bash examples/run_gpu_checks.sh [OUTDIR]
+# 1. installs offload_shim (editable, so its torch.backends entry point is live);
+# 2. runs the GPU tests (cases 01, 08, 10, 12, async work handles);
+# 3. runs the example: without the shim on a NCCL-only group (expected to fail with torch's error), with
+#    OFFLOAD_SHIM=1, and the two references (offload over cpu:gloo,cuda:nccl without the shim; no offload);
+# 4. compares the runs. Logs and JSON go to OUTDIR (default: $OUT, else ./gpu-results).
+set -u -o pipefail
+out=${1:-${OUT:-gpu-results}}
+runs=$(mktemp -d)
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+steps=${STEPS:-20}
+
+{
+  date -u
+  python3 -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -n 2
+  python3 -c 'import torch, wrapt; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())), "wrapt", wrapt.__version__); print([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'
+  python3 -c 'import importlib.metadata as m; print("torch.backends entry points:", [e.value for e in m.entry_points(group="torch.backends")])'
+  nvidia-smi topo -m
+  env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)='
+} > "$out/env.log" 2>&1
+
+python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
+tests_rc=$?
+
+example() {  # name, env assignments..., -- example arguments...
+  local name=$1; shift
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  echo "=== $name: ${envs[*]} torchrun --nproc_per_node 2 examples/train_fsdp2_offload.py $*"
+  env "${envs[@]}" torchrun --nproc_per_node 2 examples/train_fsdp2_offload.py --steps "$steps" --out "$runs" --name "$name" "$@" 2>&1
+  echo "=== $name: exit $?"
+}
+{
+  example no-shim-nccl OFFLOAD_SHIM=0 -- --backend nccl
+  example shim-nccl OFFLOAD_SHIM=1 -- --backend nccl
+  example ref-gloo OFFLOAD_SHIM=0 -- --backend cpu:gloo,cuda:nccl
+  example ref-no-offload OFFLOAD_SHIM=0 -- --backend nccl --no-offload
+  python3 examples/compare_runs.py "$runs"
+} 2>&1 | tee "$out/example.log"
+cp "$runs/compare.json" "$out/compare.json"
+python3 - "$runs" "$out/runs.json" <<'PY'
+import json, sys, glob, os
+runs = {os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))) if not p.endswith("compare.json")}
+json.dump(runs, open(sys.argv[2], "w"), indent=1)
+PY
+exit $tests_rc
