@@ -146,7 +146,9 @@ def case08_full_tensor():
     gloo_and_accelerator = dist.new_group(backend=f"cpu:gloo,{device.type}:{dist.get_backend()}")
     timings = {}
     for group_name, group in (("accelerator-only", dist.group.WORLD), ("cpu:gloo+accelerator", gloo_and_accelerator)):
-        mesh = DeviceMesh.from_group(group, device.type)
+        # Distinct dim names: DeviceMesh equality ignores process groups, and DTensor's sharding-propagation
+        # cache would otherwise hand one mesh's specs (and so its group) to the other's tensors.
+        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=(group_name,))
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(8)
             model = torch.nn.Linear(4096, 8192, bias=False).to(dtype)
@@ -199,8 +201,11 @@ def case01_clip_grad_norm(norm_type: float):
     from torch.distributed.device_mesh import DeviceMesh
 
     device = accelerator()
-    accelerator_only = DeviceMesh.from_group(dist.group.WORLD, device.type)
-    with_gloo = DeviceMesh.from_group(dist.new_group(backend=f"cpu:gloo,{device.type}:{dist.get_backend()}"), device.type)
+    # Distinct dim names: DeviceMesh equality ignores process groups (see case08_full_tensor).
+    accelerator_only = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("accelerator_only",))
+    with_gloo = DeviceMesh.from_group(
+        dist.new_group(backend=f"cpu:gloo,{device.type}:{dist.get_backend()}"), device.type, mesh_dim_names=("with_gloo",)
+    )
     fails_without_shim(lambda: _train(accelerator_only, offload=True, steps=1, norm_type=norm_type))
     with shim():
         norms, params = _train(accelerator_only, offload=True, steps=20, norm_type=norm_type)

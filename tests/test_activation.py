@@ -1,0 +1,172 @@
+"""Activation paths, each in fresh interpreters: ``import offload_shim``, ``OFFLOAD_SHIM=1`` through torch's
+``torch.backends`` entry point (also under torchrun), and the sitecustomize drop-in."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from interpreters import REPORT, SHIM_VARIABLES, python
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ALL_WRAPPED = "c10d=True funcol=True dtensor=True"
+NONE_WRAPPED = "c10d=False funcol=False dtensor=False"
+IMPORT_TORCH = "import torch, torch.distributed.tensor"
+
+
+def last_line(result) -> str:
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_entry_point_is_registered():
+    values = [e.value for e in importlib.metadata.entry_points(group="torch.backends") if e.name == "offload_shim"]
+    assert values == ["offload_shim_autoload:autoload"], "install the package (pip install -e .) to register it"
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
+def test_true_value_activates_at_import_torch(value):
+    out = python(IMPORT_TORCH, REPORT, env={"OFFLOAD_SHIM": value})
+    assert last_line(out) == ALL_WRAPPED
+
+
+@pytest.mark.parametrize("value", [None, "", "  "])
+def test_unset_does_nothing_at_all(value):
+    env = {} if value is None else {"OFFLOAD_SHIM": value}
+    out = python(IMPORT_TORCH, REPORT, "print('offload_shim' in sys.modules)", env=env)
+    assert out.stdout.strip().splitlines()[-2:] == [NONE_WRAPPED, "False"]
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "OFF"])
+def test_false_value_installs_nothing(value):
+    out = python(IMPORT_TORCH, REPORT, "import offload_shim; print(offload_shim.is_installed())", env={"OFFLOAD_SHIM": value})
+    assert out.stdout.strip().splitlines()[-2:] == [NONE_WRAPPED, "False"]
+
+
+def test_malformed_value_warns_and_never_breaks_import_torch():
+    out = python(IMPORT_TORCH, REPORT, env={"OFFLOAD_SHIM": "maybe"})
+    assert last_line(out) == NONE_WRAPPED
+    assert "offload_shim is not enabled: OFFLOAD_SHIM='maybe' is not a boolean" in out.stderr
+
+
+def test_malformed_value_rejected_by_import_offload_shim():
+    out = python(
+        """
+        try:
+            import offload_shim
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+        """,
+        env={"OFFLOAD_SHIM": "2"},
+    )
+    assert last_line(out).startswith("ConfigError OFFLOAD_SHIM='2' is not a boolean: use one of")
+
+
+def test_malformed_staging_device_rejected():
+    out = python(
+        "try:\n    import offload_shim\nexcept Exception as exc:\n    print(type(exc).__name__, exc)",
+        env={"OFFLOAD_SHIM_STAGING_DEVICE": "gpu:zero"},
+    )
+    assert last_line(out).startswith("ConfigError OFFLOAD_SHIM_STAGING_DEVICE='gpu:zero' is not a device")
+
+
+def test_import_offload_shim_installs():
+    out = python("import offload_shim, torch.distributed.tensor", REPORT)
+    assert last_line(out) == ALL_WRAPPED
+
+
+def test_torch_autoload_switch_off_is_respected():
+    out = python(IMPORT_TORCH, REPORT, env={"OFFLOAD_SHIM": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert last_line(out) == NONE_WRAPPED
+
+
+# A training script that never mentions offload_shim; its group serves CUDA only, on a machine without CUDA.
+TRAIN = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("cuda:gloo")
+tensor = torch.ones(4)
+try:
+    dist.all_reduce(tensor)
+    line = f"rank {dist.get_rank()} result {tensor.tolist()}"
+except RuntimeError as exc:
+    line = f"rank {dist.get_rank()} {type(exc).__name__} {exc} | tensor {tensor.tolist()}"
+os.write(1, (line + "\\n").encode())  # one write: the ranks share one pipe
+dist.destroy_process_group()
+"""
+
+
+def torchrun(tmp_path, env):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    environ = {k: v for k, v in os.environ.items() if k not in SHIM_VARIABLES}
+    environ.update(env)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=240)
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert result.returncode == 0 and len(lines) == 2, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return lines
+
+
+@pytest.mark.skipif(__import__("torch").accelerator.is_available(), reason="needs a machine without an accelerator")
+def test_torchrun_with_offload_shim_1(tmp_path):
+    lines = torchrun(tmp_path, {"OFFLOAD_SHIM": "1"})
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"rank {rank} StagingError offload_shim: torch.distributed.all_reduce got a tensor on cpu")
+        assert line.endswith("| tensor [1.0, 1.0, 1.0, 1.0]")
+    without = torchrun(tmp_path, {})
+    assert without == [f"rank {r} RuntimeError No backend type associated with device type cpu | tensor [1.0, 1.0, 1.0, 1.0]" for r in range(2)]
+
+
+@pytest.fixture
+def site(tmp_path):
+    """A site directory holding the template as sitecustomize.py, and a second one with the sitecustomize it
+    shadows."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    theirs.mkdir()
+    shutil.copy(ROOT / "sitecustomize_template.py", ours / "sitecustomize.py")
+    (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.SHADOWED_SITECUSTOMIZE_RAN = True\n")
+    return [str(ours), str(theirs)]
+
+
+def site_python(site, *code, env=None):
+    return python(*code, env={"PYTHONPATH": os.pathsep.join(site), **(env or {})})
+
+
+def test_sitecustomize_activates_on_torch_import(site):
+    out = site_python(
+        site,
+        "import sys, builtins",
+        "print(builtins.SHADOWED_SITECUSTOMIZE_RAN, 'torch' in sys.modules, 'offload_shim' in sys.modules)",
+        IMPORT_TORCH,
+        REPORT,
+    )
+    assert out.stdout.strip().splitlines()[-2:] == ["True False False", ALL_WRAPPED]
+
+
+def test_sitecustomize_respects_false(site):
+    out = site_python(site, IMPORT_TORCH, REPORT, env={"OFFLOAD_SHIM": "off"})
+    assert last_line(out) == NONE_WRAPPED
+
+
+def test_sitecustomize_malformed_value_warns(site):
+    out = site_python(site, IMPORT_TORCH, REPORT, env={"OFFLOAD_SHIM": "sometimes"})
+    assert last_line(out) == NONE_WRAPPED
+    assert "offload_shim is not enabled: OFFLOAD_SHIM='sometimes' is not a boolean" in out.stderr
+
+
+@pytest.mark.parametrize("missing", ["offload_shim", "wrapt"])
+def test_sitecustomize_never_breaks_start_up(site, tmp_path, missing):
+    stubs = tmp_path / "stubs"
+    (stubs / missing).mkdir(parents=True)
+    (stubs / missing / "__init__.py").write_text(f"raise ImportError('{missing} is not installed (test stub)')\n")
+    out = site_python([site[0], str(stubs), site[1]], "print('started')", env={"OFFLOAD_SHIM": "1"})
+    assert last_line(out) == "started" and out.stderr == ""
+    if missing == "offload_shim":  # torch itself still imports; the entry point warns, the hook stays quiet
+        out = site_python([site[0], str(stubs), site[1]], "import torch; print('torch imported')")
+        assert last_line(out) == "torch imported"

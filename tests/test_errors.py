@@ -1,0 +1,70 @@
+"""Case 06: where staging is impossible, say so plainly, on every rank, before any rank blocks.
+
+The group serves only ``cuda`` (``init_process_group("cuda:gloo")``) on a machine without CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import offload_shim
+
+CALLS = {
+    "all_reduce": lambda t: dist.all_reduce(t),
+    "all_reduce_async": lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True),
+    "broadcast": lambda t: dist.broadcast(t, src=0),
+    "functional_all_reduce": lambda t: funcol.all_reduce(t, "sum", dist.group.WORLD),
+    "functional_all_gather_single": lambda t: funcol.all_gather_single(t, 0, dist.group.WORLD),
+}
+
+
+def raise_staging_error(call_name, staging_device):
+    offload_shim.install()
+    previous = offload_shim.configure(staging_device=staging_device)
+    tensor = torch.arange(4.0) + dist.get_rank()
+    before = tensor.clone()
+    try:
+        CALLS[call_name](tensor)
+    except offload_shim.StagingError:
+        assert torch.equal(tensor, before), "the caller's tensor was modified"
+        raise
+    finally:
+        offload_shim.configure(**dataclasses.asdict(previous))
+
+
+def torch_error_without_shim():
+    offload_shim.uninstall()
+    try:
+        with pytest.raises(RuntimeError, match="^No backend type associated with device type cpu$"):
+            dist.all_reduce(torch.ones(4))
+    finally:
+        offload_shim.install()
+
+
+def test_torch_fails_there_without_the_shim(accelerator_only_ranks):
+    accelerator_only_ranks.run(torch_error_without_shim)
+
+
+@pytest.mark.parametrize("call_name", sorted(CALLS))
+def test_actionable_error_on_every_rank(accelerator_only_ranks, call_name):
+    # Every rank answers (the pool fails on a rank that does not, within its timeout): none blocks.
+    errors = accelerator_only_ranks.run_expecting_errors(raise_staging_error, call_name, None)
+    for rank, text in enumerate(errors):
+        message = text.split("\n")[0]
+        assert message.startswith(f"{rank}: StagingError: offload_shim: "), message
+        collective = call_name.replace("_async", "").replace("functional_", "_functional_collectives.")
+        assert f"{collective} got a tensor on cpu ((4,), torch.float32)" in message
+        assert "backend 'cuda:gloo' serves device types ['cuda'] only" in message
+        assert "this process has no accelerator" in message
+        assert "init_process_group('cpu:gloo,cuda:gloo')" in message
+        assert "move the tensor to the accelerator" in message and "The tensor was not modified" in message
+
+
+def test_configured_staging_device_of_unserved_type(accelerator_only_ranks):
+    errors = accelerator_only_ranks.run_expecting_errors(raise_staging_error, "all_reduce", "cpu")
+    for text in errors:
+        assert "the configured staging device 'cpu' (OFFLOAD_SHIM_STAGING_DEVICE) is not of a served type" in text

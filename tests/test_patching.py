@@ -1,0 +1,166 @@
+"""The patch matrix, each case in a fresh interpreter: import then patch, patch then import, patch twice,
+unpatch and repatch; every spelling of a wrapped function, and exact restoration."""
+
+from __future__ import annotations
+
+import pytest
+
+from interpreters import REPORT, python
+
+ALL_WRAPPED = "c10d=True funcol=True dtensor=True"
+
+
+def last_line(result) -> str:
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_import_then_patch():
+    out = python("import torch.distributed.tensor\nimport offload_shim", REPORT)
+    assert last_line(out) == ALL_WRAPPED
+
+
+def test_patch_then_import():
+    out = python(
+        """
+        import sys, offload_shim
+        assert "torch.distributed.tensor._api" not in sys.modules
+        """,
+        REPORT,
+        "import torch.distributed.tensor",
+        REPORT,
+    )
+    before, after = out.stdout.strip().splitlines()[-2:]
+    assert before.startswith("c10d=True") and before.endswith("dtensor=None")
+    assert after == ALL_WRAPPED
+
+
+def test_patch_twice_changes_nothing():
+    python(
+        """
+        import torch.distributed.tensor, offload_shim
+        first = offload_shim.wrapped_functions()
+        offload_shim.install()
+        offload_shim.install()
+        second = offload_shim.wrapped_functions()
+        assert first.keys() == second.keys() and all(first[k] is second[k] for k in first)
+        """
+    )
+
+
+def test_unpatch_and_repatch():
+    out = python(
+        "import offload_shim\noffload_shim.uninstall()",
+        REPORT,
+        "import torch.distributed.tensor  # imported while uninstalled: its post-import hook must not wrap",
+        REPORT,
+        "offload_shim.install()",
+        REPORT,
+        "offload_shim.uninstall()\noffload_shim.uninstall()",
+        REPORT,
+    )
+    assert out.stdout.strip().splitlines()[-4:] == [
+        "c10d=False funcol=None dtensor=None",
+        "c10d=False funcol=False dtensor=False",
+        ALL_WRAPPED,
+        "c10d=False funcol=False dtensor=False",
+    ]
+
+
+def test_every_spelling_wrapped_and_restored():
+    python(
+        """
+        import sys, types
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.tensor._collective_utils as collective_utils
+        from torch.distributed.tensor import DTensor
+
+        originals = {name: getattr(c10d, name) for name in ("all_reduce", "broadcast")}
+        funcol_originals = {name: vars(funcol)[name] for name in ("all_reduce", "all_gather_single", "reduce_scatter_single")}
+        full_tensor = vars(DTensor)["full_tensor"]
+        assert collective_utils.broadcast is originals["broadcast"]  # bound by name before the shim
+
+        early = types.ModuleType("user_module_early")
+        exec("from torch.distributed import all_reduce", early.__dict__)
+        sys.modules[early.__name__] = early
+
+        import offload_shim, wrapt
+        wrappers = offload_shim.wrapped_functions()
+        for name in originals:
+            wrapper = wrappers["torch.distributed.distributed_c10d." + name]
+            assert isinstance(wrapper, wrapt.FunctionWrapper)
+            assert getattr(dist, name) is wrapper and getattr(c10d, name) is wrapper  # one object, every name
+            assert wrapper.__wrapped__ is originals[name]
+        assert collective_utils.broadcast is dist.broadcast
+        assert early.all_reduce is dist.all_reduce
+        for name in funcol_originals:
+            assert vars(funcol)[name] is wrappers["torch.distributed._functional_collectives." + name]
+        assert vars(DTensor)["full_tensor"] is wrappers["torch.distributed.tensor._api.DTensor.full_tensor"]
+
+        late = types.ModuleType("user_module_late")  # imported while installed: binds the wrapper
+        exec("from torch.distributed import broadcast", late.__dict__)
+        sys.modules[late.__name__] = late
+        assert late.broadcast is dist.broadcast
+
+        offload_shim.uninstall()
+        assert offload_shim.wrapped_functions() == {}
+        for name, original in originals.items():
+            assert getattr(dist, name) is original and getattr(c10d, name) is original
+        assert collective_utils.broadcast is originals["broadcast"]
+        assert early.all_reduce is originals["all_reduce"] and late.broadcast is originals["broadcast"]
+        assert all(vars(funcol)[name] is original for name, original in funcol_originals.items())
+        assert vars(DTensor)["full_tensor"] is full_tensor
+        """
+    )
+
+
+SINGLE_RANK = """
+import torch, torch.distributed as dist, offload_shim
+from offload_shim import _staging
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+copies = []
+_to_staging = _staging.to_staging
+_staging.to_staging = lambda t, d: copies.append(str(d)) or _to_staging(t, d)
+offload_shim.configure(staging_device="cpu", always_stage=True)
+"""
+
+
+def test_wrapper_held_after_uninstall_passes_through():
+    python(
+        SINGLE_RANK,
+        """
+        held = dist.all_reduce
+        t = torch.ones(3)
+        held(t)
+        assert copies == ["cpu"]
+        offload_shim.uninstall()
+        held(t)
+        assert copies == ["cpu"] and torch.equal(t, torch.ones(3))
+        """
+    )
+
+
+def test_calls_inside_a_staged_call_are_not_staged_again():
+    python(
+        SINGLE_RANK,
+        """
+        import torch.distributed._functional_collectives as funcol
+        funcol.all_gather_tensor(torch.ones(2), 0, dist.group.WORLD)  # calls all_gather_single by name
+        assert copies == ["cpu"], copies
+        """
+    )
+
+
+@pytest.mark.parametrize("uninitialized_call", ["dist.all_reduce(torch.ones(2))", "dist.broadcast(torch.ones(2), 0)"])
+def test_without_a_process_group_torch_raises_its_own_error(uninitialized_call):
+    out = python(
+        f"""
+        import torch, torch.distributed as dist, offload_shim
+        try:
+            {uninitialized_call}
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+        """
+    )
+    assert "Default process group has not been initialized" in out.stdout
