@@ -5,7 +5,9 @@
 # 2. runs the GPU tests (cases 01, 08, 10, 12, async work handles);
 # 3. runs the example: without the shim on a NCCL-only group (expected to fail with torch's error), with
 #    OFFLOAD_SHIM=1, and the two references (offload over cpu:gloo,cuda:nccl without the shim; no offload);
-# 4. compares the runs. Logs and JSON go to OUTDIR (default: $OUT, else ./gpu-results).
+# 4. compares the runs;
+# 5. runs the staging benchmark (benchmarks/bench_staging.py: table, JSON, plot).
+# Logs and JSON go to OUTDIR (default: $OUT, else ./gpu-results). SKIP_EXAMPLE=1 or SKIP_BENCH=1 leave a part out.
 set -u -o pipefail
 out=${1:-${OUT:-gpu-results}}
 runs=$(mktemp -d)
@@ -34,17 +36,22 @@ example() {  # name, env assignments..., -- example arguments...
   env "${envs[@]}" torchrun --nproc_per_node 2 examples/train_fsdp2_offload.py --steps "$steps" --out "$runs" --name "$name" "$@" 2>&1
   echo "=== $name: exit $?"
 }
-{
+[ -n "${SKIP_EXAMPLE:-}" ] || {
   example no-shim-nccl OFFLOAD_SHIM=0 -- --backend nccl
   example shim-nccl OFFLOAD_SHIM=1 -- --backend nccl
   example ref-gloo OFFLOAD_SHIM=0 -- --backend cpu:gloo,cuda:nccl
   example ref-no-offload OFFLOAD_SHIM=0 -- --backend nccl --no-offload
   python3 examples/compare_runs.py "$runs"
 } 2>&1 | tee "$out/example.log"
-cp "$runs/compare.json" "$out/compare.json"
-python3 - "$runs" "$out/runs.json" <<'PY'
+if [ -z "${SKIP_EXAMPLE:-}" ]; then
+  cp "$runs/compare.json" "$out/compare.json"
+  python3 - "$runs" "$out/runs.json" <<'PY'
 import json, sys, glob, os
 runs = {os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))) if not p.endswith("compare.json")}
 json.dump(runs, open(sys.argv[2], "w"), indent=1)
 PY
+fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+  torchrun --nproc_per_node 2 benchmarks/bench_staging.py --out "$out" 2>&1 | tee "$out/bench.log"
+fi
 exit $tests_rc

@@ -10,6 +10,15 @@ Every environment variable offload_shim reads is named here, once.
 ``OFFLOAD_SHIM_STAGING_DEVICE`` (:data:`ENV_STAGING_DEVICE`)
     The device to stage through, e.g. ``cuda:1``. Unset: the device bound to the process group
     (``ProcessGroup.bound_device_id``), else the current device of ``torch.accelerator``.
+``OFFLOAD_SHIM_CHUNK_BYTES`` (:data:`ENV_CHUNK_BYTES`)
+    Chunk size of the staging pipeline, in bytes (suffixes ``KiB``, ``MiB``, ``GiB`` accepted). Elementwise
+    collectives (all_reduce, broadcast) on larger tensors are staged chunk by chunk; the staging footprint is two
+    chunks on the accelerator, and two more of pinned host memory for each direction with pageable tensors.
+    Default :data:`DEFAULT_CHUNK_BYTES`.
+``OFFLOAD_SHIM_ROUTE_MIN_BYTES`` (:data:`ENV_ROUTE_MIN_BYTES`)
+    On a group that serves CPU through one backend (Gloo) and an accelerator through another (``cpu:gloo,
+    cuda:nccl``), CPU tensors of at least this many bytes are staged through the accelerator's backend instead
+    of going over Gloo. ``off`` disables routing. Default :data:`DEFAULT_ROUTE_MIN_BYTES`.
 ``OFFLOAD_SHIM_ALWAYS_STAGE`` (:data:`ENV_ALWAYS_STAGE`)
     Stage CPU tensors even when the group serves CPU itself. For tests and debugging: together with
     ``OFFLOAD_SHIM_STAGING_DEVICE=cpu`` it runs the whole staging path (real copies, the collective on
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 
 import torch
@@ -29,6 +39,11 @@ import torch
 ENV_ENABLE = "OFFLOAD_SHIM"
 ENV_STAGING_DEVICE = "OFFLOAD_SHIM_STAGING_DEVICE"
 ENV_ALWAYS_STAGE = "OFFLOAD_SHIM_ALWAYS_STAGE"
+ENV_CHUNK_BYTES = "OFFLOAD_SHIM_CHUNK_BYTES"
+ENV_ROUTE_MIN_BYTES = "OFFLOAD_SHIM_ROUTE_MIN_BYTES"
+
+DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_ROUTE_MIN_BYTES = 1 << 20
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -46,10 +61,15 @@ class Settings:
         staging_device: device to stage through; ``None`` picks the group's bound device, else the current
             accelerator device.
         always_stage: stage CPU tensors even where the group serves CPU (tests, debugging).
+        chunk_bytes: chunk size of the staging pipeline, in bytes.
+        route_min_bytes: smallest CPU tensor, in bytes, routed off a group's CPU backend through its accelerator
+            backend; ``None``: never routed.
     """
 
     staging_device: torch.device | None = None
     always_stage: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    route_min_bytes: int | None = DEFAULT_ROUTE_MIN_BYTES
 
 
 def parse_flag(name: str, environ=os.environ) -> bool | None:
@@ -86,11 +106,35 @@ def _parse_device(value, source: str) -> torch.device | None:
         raise ConfigError(f"{source}={value!r} is not a device: {exc}") from None
 
 
+_SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
+_UNIT = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def _parse_bytes(value, source: str, allow_off: bool = False) -> int | None:
+    if allow_off and (value is None or (isinstance(value, str) and value.strip().lower() == "off")):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        match = _SIZE.match(value) if isinstance(value, str) else None
+        if match is None:
+            off = " or 'off'" if allow_off else ""
+            raise ConfigError(f"{source}={value!r} is not a size: give bytes, e.g. 1048576 or '1MiB'{off}")
+        number = int(match.group(1)) * _UNIT[match.group(2)]
+    if number < (0 if allow_off else 1):
+        raise ConfigError(f"{source}={value!r} must be {'at least 0' if allow_off else 'positive'}")
+    return number
+
+
 def settings_from_environment(environ=os.environ) -> Settings:
     """Settings as the environment gives them. Raises :class:`ConfigError` for a malformed value."""
+    chunk = environ.get(ENV_CHUNK_BYTES) or None
+    route = environ.get(ENV_ROUTE_MIN_BYTES) or None
     return Settings(
         staging_device=_parse_device(environ.get(ENV_STAGING_DEVICE) or None, ENV_STAGING_DEVICE),
         always_stage=bool(parse_flag(ENV_ALWAYS_STAGE, environ)),
+        chunk_bytes=DEFAULT_CHUNK_BYTES if chunk is None else _parse_bytes(chunk, ENV_CHUNK_BYTES),
+        route_min_bytes=DEFAULT_ROUTE_MIN_BYTES if route is None else _parse_bytes(route, ENV_ROUTE_MIN_BYTES, True),
     )
 
 
@@ -109,6 +153,8 @@ def configure(**changes) -> Settings:
     Args:
         staging_device (str | torch.device | None): device to stage through (see :class:`Settings`).
         always_stage (bool): stage CPU tensors even where the group serves CPU.
+        chunk_bytes (int | str): chunk size of the staging pipeline, e.g. ``32 << 20`` or ``"32MiB"``.
+        route_min_bytes (int | str | None): smallest CPU tensor routed off Gloo; ``None`` or ``"off"``: never.
 
     Returns:
         The settings that were in force before, so that ``configure(**dataclasses.asdict(old))`` restores them.
@@ -123,6 +169,10 @@ def configure(**changes) -> Settings:
         raise ConfigError(f"unknown setting(s) {unknown}; known: {sorted(known)}")
     if "staging_device" in changes:
         changes["staging_device"] = _parse_device(changes["staging_device"], "staging_device")
+    if "chunk_bytes" in changes:
+        changes["chunk_bytes"] = _parse_bytes(changes["chunk_bytes"], "chunk_bytes")
+    if "route_min_bytes" in changes:
+        changes["route_min_bytes"] = _parse_bytes(changes["route_min_bytes"], "route_min_bytes", allow_off=True)
     if "always_stage" in changes and not isinstance(changes["always_stage"], bool):
         raise ConfigError(f"always_stage={changes['always_stage']!r} is not a bool")
     with _lock:

@@ -2,7 +2,11 @@
 
 The decision for one call (:func:`staging_device_for`):
 
-* the input is not a CPU tensor, or the group serves CPU: no staging (the caller's call runs untouched);
+* the input is not a CPU tensor, or the call comes from inside a staged call: no staging (the caller's call
+  runs untouched);
+* the group serves CPU: no staging, except that a CPU tensor of at least ``route_min_bytes`` on a group whose
+  accelerator is served by another backend (``cpu:gloo,cuda:nccl``) is routed through the accelerator, for
+  collectives whose size is the same on every rank (so that every rank takes the same route);
 * otherwise the tensor is staged through an accelerator device of a type the group serves: the device bound
   to the group (``ProcessGroup.bound_device_id``), else the current ``torch.accelerator`` device;
 * no such device: :class:`StagingError`, raised before any collective is entered, so every rank of the
@@ -15,12 +19,16 @@ on); where a torch lacks that record, from ``Backend.backend_capability`` for th
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from offload_shim import _config, _staging
+
+
+_log = logging.getLogger("offload_shim")
 
 
 class StagingError(RuntimeError):
@@ -105,8 +113,30 @@ def _accelerator_device(served: frozenset[str]) -> torch.device | None:
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
-def staging_device_for(tensor: torch.Tensor, group: dist.ProcessGroup, collective: str) -> torch.device | None:
+def backend_for(group: dist.ProcessGroup, device_type: str) -> str | None:
+    """Name of the backend that serves ``device_type`` on ``group`` (``'gloo'``, ``'nccl'``, ...), from the group's
+    backend string (``'cpu:gloo,cuda:nccl'``, or one name for every device type it serves)."""
+    if device_type not in served_device_types(group):
+        return None
+    description = backend_description(group)
+    if ":" not in description:
+        return description.lower()
+    for part in description.split(","):
+        kind, _, name = part.partition(":")
+        if kind.strip() == device_type:
+            return name.strip().lower()
+    return None
+
+
+def staging_device_for(
+    tensor: torch.Tensor, group: dist.ProcessGroup, collective: str, route_bytes: int | None = None
+) -> torch.device | None:
     """Where to stage ``tensor`` for ``collective`` on ``group``; ``None`` to run the call untouched.
+
+    Args:
+        route_bytes: for a collective that may be routed off a group's CPU backend, its size in bytes as every
+            rank of the group sees it (the same on every rank, so that every rank takes the same route); ``None``
+            for collectives whose sizes may differ per rank, which are never routed.
 
     Raises:
         StagingError: ``tensor`` is on the CPU, ``group`` serves no CPU backend, and no device of a type the
@@ -117,17 +147,31 @@ def staging_device_for(tensor: torch.Tensor, group: dist.ProcessGroup, collectiv
     served = served_device_types(group)
     settings = _config.settings()
     cpu_served = "cpu" in served
-    if cpu_served and not settings.always_stage:
+    if cpu_served and not (settings.always_stage or _routes(route_bytes, settings)):
         return None
     device = settings.staging_device
     if device is None:
         bound = getattr(group, "bound_device_id", None)
         device = bound if bound is not None and bound.type in served else _accelerator_device(served)
     if device is not None and device.type in served:
+        # Routing off the CPU backend pays only where another backend serves the accelerator.
+        if cpu_served and not settings.always_stage and device.type != "cpu":
+            if backend_for(group, device.type) == backend_for(group, "cpu"):
+                return None
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug(
+                "offload_shim: staging %s of a cpu tensor %s %s through %s (group %s, backend %r)",
+                collective, tuple(tensor.shape), tensor.dtype, device, group_label(group), backend_description(group),
+                extra={"offload_shim_collective": collective, "offload_shim_device": str(device)},
+            )
         return device
     if cpu_served:
         return None
     raise StagingError(_unstageable_message(tensor, group, collective, served, settings.staging_device))
+
+
+def _routes(route_bytes: int | None, settings: _config.Settings) -> bool:
+    return route_bytes is not None and settings.route_min_bytes is not None and route_bytes >= settings.route_min_bytes
 
 
 def _unstageable_message(tensor, group, collective, served, configured) -> str:

@@ -19,10 +19,11 @@ from offload_shim._patching import Target
 MODULE = "torch.distributed.tensor._api"
 
 
-def _staging_device_for_mesh(local, mesh):
+def _staging_device_for_mesh(local, mesh, route_bytes):
     """The device to stage ``local`` through for a collective on every dimension of ``mesh``, or ``None``."""
     devices = {
-        _devices.staging_device_for(local, mesh.get_group(dim), "DTensor.full_tensor") for dim in range(mesh.ndim)
+        _devices.staging_device_for(local, mesh.get_group(dim), "DTensor.full_tensor", route_bytes)
+        for dim in range(mesh.ndim)
     }
     devices.discard(None)
     if not devices:
@@ -41,7 +42,8 @@ def _make_full_tensor_wrapper(original):
         if local.device.type != "cpu":
             return wrapped(*args, **kwargs)
         mesh = instance.device_mesh
-        device = _staging_device_for_mesh(local, mesh)
+        # Routed by the global size, the same on every rank (local shards may differ in size).
+        device = _staging_device_for_mesh(local, mesh, instance.numel() * local.element_size())
         if device is None:
             return wrapped(*args, **kwargs)
         from torch.distributed.tensor import DTensor

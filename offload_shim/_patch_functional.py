@@ -24,6 +24,8 @@ FUNCTIONAL_COLLECTIVES = (
     "reduce_scatter_single",
     "reduce_scatter_tensor",
 )
+# Collectives whose input has the same size on every rank: these may be routed off Gloo by size.
+SAME_SIZE_ON_EVERY_RANK = frozenset({"all_reduce", "broadcast"})
 
 
 def _functional_wrapper(collective: str):
@@ -39,7 +41,8 @@ def _functional_wrapper(collective: str):
             )
             if group is None:
                 return wrapped(*args, **kwargs)
-            device = _devices.staging_device_for(tensor, group, f"{MODULE}.{collective}")
+            route_bytes = tensor.numel() * tensor.element_size() if collective in SAME_SIZE_ON_EVERY_RANK else None
+            device = _devices.staging_device_for(tensor, group, f"{MODULE}.{collective}", route_bytes)
             if device is None:
                 return wrapped(*args, **kwargs)
             staged = _staging.to_staging(tensor, device)

@@ -89,20 +89,27 @@ def copy_into(destination: torch.Tensor, staged: torch.Tensor) -> None:
 
 
 class StagedWork(dist.Work):
-    """Work handle of an ``async_op=True`` collective run on a staged tensor.
+    """Work handle of an ``async_op=True`` collective run on staged tensors.
 
-    ``wait()``, ``synchronize()``, ``is_completed()`` (once it returns ``True``) and the future of
-    ``get_future()`` finish the copy back into the caller's tensor before they return, so a caller who waits
-    as torch asks never reads the tensor before it holds the result. Until then the caller's tensor holds
-    unspecified contents, as it does for torch's own asynchronous collectives. If the collective fails, the
-    error is raised as torch raises it and the caller's tensor is not written.
+    ``wait()``, ``synchronize()``, ``is_completed()`` (once it returns ``True``), ``result()`` and the future of
+    ``get_future()`` finish the copy back into the caller's tensor before they return, so a caller who waits as
+    torch asks never reads the tensor before it holds the result. Until then the caller's tensor holds
+    unspecified contents, as it does for torch's own asynchronous collectives. If the collective fails, the error
+    is raised as torch raises it and the copy back is not made.
+
+    Args:
+        works: the work handles of the collective(s) run on the staged tensor (one per chunk).
+        finish: completes the copy back; called once.
+        tensors: what ``result()`` and the future return (the caller's tensors).
+        done: an event that has completed once the copy back can be finished without blocking, if known.
     """
 
-    def __init__(self, work: dist.Work, finish: Callable[[], None], tensors: list[torch.Tensor]):
+    def __init__(self, works: list[dist.Work], finish: Callable[[], None], tensors: list[torch.Tensor], done=None):
         super().__init__()
-        self._work = work
+        self._works = works
         self._finish = finish
         self._tensors = tensors
+        self._done = done
         self._finished = False
         self._lock = threading.Lock()
 
@@ -113,9 +120,13 @@ class StagedWork(dist.Work):
                 self._finished = True
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        done = self._work.wait(timeout) if timeout else self._work.wait()
+        for work in self._works:
+            if timeout:
+                work.wait(timeout)
+            else:
+                work.wait()
         self._complete()
-        return done
+        return True
 
     def synchronize(self) -> None:
         self.wait()
@@ -126,19 +137,25 @@ class StagedWork(dist.Work):
     def is_completed(self) -> bool:
         if self._finished:
             return True
-        if not self._work.is_completed():
+        if not all(work.is_completed() for work in self._works):
+            return False
+        if self._done is not None and not self._done.query():
             return False
         self.wait()
         return True
 
     def is_success(self) -> bool:
-        return self._work.is_success()
+        return all(work.is_success() for work in self._works)
 
     def exception(self):
-        return self._work.exception()
+        for work in self._works:
+            error = work.exception()
+            if error is not None:
+                return error
+        return None
 
     def source_rank(self) -> int:
-        return self._work.source_rank()
+        return self._works[0].source_rank()
 
     def result(self) -> list[torch.Tensor]:
         self.wait()
@@ -146,9 +163,10 @@ class StagedWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         def finished(future: torch.futures.Future) -> list[torch.Tensor]:
-            future.value()  # re-raises the collective's error
-            # torch runs this callback with the current streams made to wait on the collective's.
+            for each in future.value():
+                each.value()  # re-raises a collective's error
+            # torch runs this once every collective's future has completed.
             self._complete()
             return list(self._tensors)
 
-        return self._work.get_future().then(finished)
+        return torch.futures.collect_all([work.get_future() for work in self._works]).then(finished)

@@ -116,12 +116,14 @@ def test_every_spelling_wrapped_and_restored():
 
 
 SINGLE_RANK = """
-import torch, torch.distributed as dist, offload_shim
-from offload_shim import _staging
+import logging, torch, torch.distributed as dist, offload_shim
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 copies = []
-_to_staging = _staging.to_staging
-_staging.to_staging = lambda t, d: copies.append(str(d)) or _to_staging(t, d)
+class Recorder(logging.Handler):
+    def emit(self, record):
+        copies.append(getattr(record, "offload_shim_device", None))
+logging.getLogger("offload_shim").addHandler(Recorder())
+logging.getLogger("offload_shim").setLevel(logging.DEBUG)
 offload_shim.configure(staging_device="cpu", always_stage=True)
 """
 

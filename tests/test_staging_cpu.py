@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import hypothesis
 import hypothesis.strategies as st
@@ -17,29 +18,52 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import offload_shim
-from offload_shim import _staging
+from offload_shim import _pipeline
 
 # ---------------------------------------------------------------- helpers run inside the ranks
 
 
+class StagingRecorder(logging.Handler):
+    """Records each staging decision offload_shim logs (at DEBUG, on logger ``offload_shim``): its device."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.devices = []
+
+    def emit(self, record):
+        device = getattr(record, "offload_shim_device", None)
+        if device is not None:
+            self.devices.append(device)
+
+
 @contextlib.contextmanager
-def staging_through_cpu():
-    """Install the shim, stage every CPU tensor through the CPU, and record each staging copy's device."""
-    offload_shim.install()
-    previous = offload_shim.configure(staging_device="cpu", always_stage=True)
-    copies = []
-    to_staging = _staging.to_staging
-
-    def recording(tensor, device):
-        copies.append(str(device))
-        return to_staging(tensor, device)
-
-    _staging.to_staging = recording
+def recording_staging():
+    logger = logging.getLogger("offload_shim")
+    recorder, level = StagingRecorder(), logger.level
+    logger.addHandler(recorder)
+    logger.setLevel(logging.DEBUG)
     try:
-        yield copies
+        yield recorder.devices
     finally:
-        _staging.to_staging = to_staging
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def configured(**settings):
+    previous = offload_shim.configure(**settings)
+    try:
+        yield
+    finally:
         offload_shim.configure(**dataclasses.asdict(previous))
+
+
+@contextlib.contextmanager
+def staging_through_cpu(**settings):
+    """Install the shim, stage every CPU tensor through the CPU, and record each staging decision's device."""
+    offload_shim.install()
+    with configured(staging_device="cpu", always_stage=True, **settings), recording_staging() as devices:
+        yield devices
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +86,12 @@ def rank_input(shape, dtype, seed):
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
 
 
-def check_all_reduce(shape, dtype_name, op_name, seed, offset):
+def poison_staging_buffers():
+    for buffer in _pipeline.pooled_buffers():
+        buffer.fill_(0xFF)  # NaN for every float dtype, -1 for signed integers
+
+
+def check_all_reduce(shape, dtype_name, op_name, seed, offset, chunk_bytes=1 << 20, pageable_path="bounce"):
     dtype = getattr(torch, dtype_name)
     base = rank_input(shape, dtype, seed)
     expected = base.clone()
@@ -72,10 +101,16 @@ def check_all_reduce(shape, dtype_name, op_name, seed, offset):
     tensor = buffer[offset:].view(shape)
     tensor.copy_(base)
     pointer, strides = tensor.data_ptr(), tensor.stride()
-    with staging_through_cpu() as copies:
-        returned = dist.all_reduce(tensor, op=OPS[op_name])
+    path, _pipeline.PAGEABLE_PATH = _pipeline.PAGEABLE_PATH, pageable_path
+    try:
+        with staging_through_cpu(chunk_bytes=chunk_bytes) as devices:
+            poison_staging_buffers()
+            returned = dist.all_reduce(tensor, op=OPS[op_name])
+            poison_staging_buffers()
+    finally:
+        _pipeline.PAGEABLE_PATH = path
     assert returned is None
-    assert copies == ["cpu"], copies
+    assert devices == ["cpu"], devices
     assert (tensor.data_ptr(), tensor.stride(), tensor.dtype, tensor.shape) == (pointer, strides, dtype, shape)
     assert same_bits(tensor, expected)
     assert torch.equal(buffer[:offset], torch.zeros(offset, dtype=dtype)), "wrote outside the caller's view"
@@ -126,15 +161,10 @@ def check_served_path_untouched():
     offload_shim.install()
     tensor = torch.arange(4.0)
     pointer = tensor.data_ptr()
-    copies = []
-    to_staging = _staging.to_staging
-    _staging.to_staging = lambda t, d: copies.append(d) or to_staging(t, d)
-    try:
+    with recording_staging() as devices:
         dist.all_reduce(tensor)
         funcol.all_reduce(tensor, "sum", dist.group.WORLD)
-    finally:
-        _staging.to_staging = to_staging
-    assert copies == [] and tensor.data_ptr() == pointer
+    assert devices == [] and tensor.data_ptr() == pointer
     assert torch.equal(tensor, torch.arange(4.0) * 2)
 
 
@@ -234,16 +264,20 @@ def test_all_reduce_zero_dim(gloo_ranks):
     gloo_ranks.run(check_all_reduce, (), "float32", "sum", 2, 1)
 
 
-@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.settings(max_examples=40, deadline=None)
 @hypothesis.given(
-    shape=st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple),
+    shape=st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple),
     dtype_name=st.sampled_from(["float32", "float16", "bfloat16", "int32", "int8"]),
     op_name=st.sampled_from(sorted(OPS)),
     seed=st.integers(0, 2**16),
     offset=st.integers(0, 5),
+    chunk_bytes=st.sampled_from([1, 2, 3, 8, 12, 64, 1 << 20]),
+    pageable_path=st.sampled_from(["bounce", "driver"]),
 )
-def test_all_reduce_property(gloo_ranks, shape, dtype_name, op_name, seed, offset):
-    gloo_ranks.run(check_all_reduce, shape, dtype_name, op_name, seed, offset)
+def test_all_reduce_property(gloo_ranks, shape, dtype_name, op_name, seed, offset, chunk_bytes, pageable_path):
+    """Chunk sizes down to one byte, so tensors span many chunks that are not a multiple of the element
+    count, with the staging buffers poisoned before and after each call."""
+    gloo_ranks.run(check_all_reduce, shape, dtype_name, op_name, seed, offset, chunk_bytes, pageable_path)
 
 
 @pytest.mark.parametrize("src", [0, 1])
@@ -275,3 +309,144 @@ def test_dtensor_full_tensor(gloo_ranks):
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_clip_grad_norm_on_dtensor(gloo_ranks, norm_type):
     gloo_ranks.run(check_clip_grad_norm, norm_type)
+
+
+# ---------------------------------------------------------------- the chunked pipeline
+
+
+def check_broadcast_chunked(pageable_path, asynchronous):
+    path, _pipeline.PAGEABLE_PATH = _pipeline.PAGEABLE_PATH, pageable_path
+    try:
+        for src in (0, 1):
+            base = rank_input((37,), torch.float64, seed=src)
+            expected = base.clone()
+            dist.broadcast(expected, src=src)
+            tensor = base.clone()
+            with staging_through_cpu(chunk_bytes=40):  # 5 float64 per chunk, 8 chunks, the last one short
+                poison_staging_buffers()
+                work = dist.broadcast(tensor, src=src, async_op=asynchronous)
+                poison_staging_buffers()
+                if asynchronous:
+                    work.wait()
+            assert same_bits(tensor, expected)
+    finally:
+        _pipeline.PAGEABLE_PATH = path
+
+
+def check_async_chunked_out_of_order(pageable_path):
+    """Three async calls share the pool's buffers; they are waited late, in reverse order, with the buffers
+    poisoned in between, and a synchronous call made before any wait."""
+    path, _pipeline.PAGEABLE_PATH = _pipeline.PAGEABLE_PATH, pageable_path
+    try:
+        inputs = [rank_input((n,), torch.float32, seed=n) for n in (50, 7, 33)]
+        expected = [t.clone() for t in inputs]
+        for t in expected:
+            dist.all_reduce(t)
+        with staging_through_cpu(chunk_bytes=16):
+            works = [dist.all_reduce(t, async_op=True) for t in inputs]
+            poison_staging_buffers()
+            middle = rank_input((21,), torch.float32, seed=4)
+            expected_middle = middle.clone()
+            with configured(always_stage=False):
+                dist.all_reduce(expected_middle)
+            dist.all_reduce(middle)
+            assert same_bits(middle, expected_middle)
+            poison_staging_buffers()
+            for work in reversed(works):
+                assert work.wait() is True
+                poison_staging_buffers()
+        for got, want in zip(inputs, expected):
+            assert same_bits(got, want)
+    finally:
+        _pipeline.PAGEABLE_PATH = path
+
+
+@pytest.mark.parametrize("pageable_path", ["bounce", "driver"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_broadcast_chunked(gloo_ranks, pageable_path, asynchronous):
+    gloo_ranks.run(check_broadcast_chunked, pageable_path, asynchronous)
+
+
+@pytest.mark.parametrize("pageable_path", ["bounce", "driver"])
+def test_async_chunked_waited_late_and_out_of_order(gloo_ranks, pageable_path):
+    gloo_ranks.run(check_async_chunked_out_of_order, pageable_path)
+
+
+def test_non_contiguous_tensor_staged_whole(gloo_ranks):
+    gloo_ranks.run(check_all_reduce_non_contiguous)
+
+
+def check_all_reduce_non_contiguous():
+    base = rank_input((4, 6), torch.float32, seed=11)
+    expected = base.clone()
+    dist.all_reduce(expected)
+    holder = base.clone()
+    view = holder.t()[1:5]  # non-contiguous, at an offset
+    with staging_through_cpu(chunk_bytes=8) as devices:
+        dist.all_reduce(view)
+    assert devices == ["cpu"]
+    assert same_bits(holder.t()[1:5], expected.t()[1:5])
+    assert same_bits(holder.t()[0], base.t()[0]) and same_bits(holder.t()[5], base.t()[5])
+
+
+# ---------------------------------------------------------------- routing off a group's CPU backend
+
+
+def check_routing(threshold):
+    """A Gloo group serves CPU; with a staging device configured, CPU tensors of at least ``threshold`` bytes
+    are routed through it. Every rank must take the same route for the same call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    offload_shim.install()
+    rank = dist.get_rank()
+    routed = {}
+    with configured(staging_device="cpu", route_min_bytes=threshold):
+        for name, call in (
+            ("small_all_reduce", lambda: dist.all_reduce(torch.ones(threshold // 4 - 1))),
+            ("large_all_reduce", lambda: dist.all_reduce(torch.ones(threshold // 4))),
+            ("large_broadcast", lambda: dist.broadcast(torch.ones(threshold // 4), src=0)),
+            ("functional_all_reduce", lambda: funcol.all_reduce(torch.ones(threshold // 4), "sum", dist.group.WORLD)),
+            # Unequal sizes per rank: only the global size may decide.
+            (
+                "uneven_full_tensor",
+                lambda: distribute_tensor(
+                    torch.ones(2 * (threshold // 4) - 1), init_device_mesh("cpu", (2,)), [Shard(0)]
+                ).full_tensor(),
+            ),
+            # A gather's input size may differ per rank: never routed by size.
+            ("all_gather_single", lambda: funcol.all_gather_single(torch.ones(threshold), 0, dist.group.WORLD)),
+        ):
+            with recording_staging() as devices:
+                call()
+            routed[name] = devices == ["cpu"]
+    with configured(staging_device="cpu", route_min_bytes=None), recording_staging() as devices:
+        dist.all_reduce(torch.ones(threshold))
+    routed["routing_off"] = devices == ["cpu"]
+    return rank, routed
+
+
+def test_routing_by_size_takes_the_same_route_on_every_rank(gloo_ranks):
+    (_, routed0), (_, routed1) = gloo_ranks.run(check_routing, 4096)
+    assert routed0 == routed1 == {
+        "small_all_reduce": False,
+        "large_all_reduce": True,
+        "large_broadcast": True,
+        "functional_all_reduce": True,
+        "uneven_full_tensor": True,
+        "all_gather_single": False,
+        "routing_off": False,
+    }
+
+
+def check_uneven_shard_sizes(threshold):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    sharded = distribute_tensor(torch.ones(2 * (threshold // 4) - 1), init_device_mesh("cpu", (2,)), [Shard(0)])
+    return sharded.to_local().numel() * 4
+
+
+def test_uneven_full_tensor_has_local_sizes_on_both_sides_of_the_threshold(gloo_ranks):
+    """Makes the routing test above meaningful: routing by local size would split the ranks."""
+    assert sorted(gloo_ranks.run(check_uneven_shard_sizes, 4096)) == [4092, 4096]
