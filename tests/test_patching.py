@@ -126,6 +126,8 @@ logging.getLogger("offload_shim").addHandler(Recorder())
 logging.getLogger("offload_shim").setLevel(logging.DEBUG)
 offload_shim.configure(staging_device="cpu", always_stage=True)
 """
+# A Gloo group left alive at interpreter exit can abort it ("terminate called without an active exception").
+TEARDOWN = "dist.destroy_process_group()"
 
 
 def test_wrapper_held_after_uninstall_passes_through():
@@ -139,7 +141,8 @@ def test_wrapper_held_after_uninstall_passes_through():
         offload_shim.uninstall()
         held(t)
         assert copies == ["cpu"] and torch.equal(t, torch.ones(3))
-        """
+        """,
+        TEARDOWN,
     )
 
 
@@ -150,7 +153,8 @@ def test_calls_inside_a_staged_call_are_not_staged_again():
         import torch.distributed._functional_collectives as funcol
         funcol.all_gather_tensor(torch.ones(2), 0, dist.group.WORLD)  # calls all_gather_single by name
         assert copies == ["cpu"], copies
-        """
+        """,
+        TEARDOWN,
     )
 
 
