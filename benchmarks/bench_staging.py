@@ -93,6 +93,18 @@ def measure_h2d(bench, nbytes=256 * MiB):
         "d2h_pinned_GBps": nbytes / d2h / 1e9,
         "d2h_pageable_GBps": nbytes / d2h_pageable / 1e9,
     }
+    # Both directions at once, on both ranks: what an all_reduce staged through pinned memory must move.
+    h2d, d2h_stream = torch.Stream(device=bench.device), torch.Stream(device=bench.device)
+    back = torch.empty_like(src)
+    dst2 = torch.empty_like(dst)
+
+    def duplex():
+        with torch.cuda.stream(h2d):
+            dst.copy_(src, non_blocking=True)
+        with torch.cuda.stream(d2h_stream):
+            back.copy_(dst2, non_blocking=True)
+
+    bandwidth["duplex_seconds"] = bench.time(duplex, nbytes)
     bench.record(kind="copy_bandwidth", bytes=nbytes, **bandwidth)
     return bandwidth["h2d_pinned_GBps"] * 1e9
 
@@ -189,17 +201,18 @@ def main():
     }
     floor_bandwidth = measure_h2d(bench)
 
-    # 1. chunk size and pageable path, at 256 MiB fp32
-    for chunk in (4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, 128 * MiB):
+    # 1. chunk size, chunks in flight and pageable path, at 256 MiB fp32
+    for chunk in (4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB):
         offload_shim.configure(chunk_bytes=chunk)
-        for pinned in (True, False):
-            for path in (("bounce", "driver") if not pinned else ("bounce",)):
-                _pipeline.PAGEABLE_PATH = path
-                t = host_tensor(64 * MiB, torch.float32, pinned, 1.0)
-                seconds = bench.time(lambda: dist.all_reduce(t), 256 * MiB)
-                bench.record(kind="chunk_sweep", op="all_reduce", bytes=256 * MiB, chunk_bytes=chunk,
-                             pinned=pinned, pageable_path=path if not pinned else None, seconds=seconds,
-                             over_floor=seconds / (256 * MiB / floor_bandwidth))
+        for variant in ("pinned", "pinned_3_slots", "driver", "bounce"):
+            pinned = variant.startswith("pinned")
+            _pipeline.SLOTS = 3 if variant == "pinned_3_slots" else 2
+            _pipeline.PAGEABLE_PATH = variant if not pinned else meta["pageable_path_default"]
+            t = host_tensor(64 * MiB, torch.float32, pinned, 1.0)
+            seconds = bench.time(lambda: dist.all_reduce(t), 256 * MiB)
+            bench.record(kind="chunk_sweep", op="all_reduce", bytes=256 * MiB, chunk_bytes=chunk, variant=variant,
+                         pinned=pinned, seconds=seconds, over_floor=seconds / (256 * MiB / floor_bandwidth))
+    _pipeline.SLOTS = 2
     offload_shim.configure(chunk_bytes=chunk_default)
     _pipeline.PAGEABLE_PATH = meta["pageable_path_default"]
 

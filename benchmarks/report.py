@@ -24,7 +24,8 @@ def table(meta: dict, records: list[dict]) -> str:
              f"chunk {human(meta['chunk_bytes_default'])}, pageable path {meta['pageable_path_default']}; times in ms (median)"]
     for r in records:
         if r["kind"] == "copy_bandwidth":
-            lines.append("copies, GB/s: " + ", ".join(f"{k[:-5]} {v:.1f}" for k, v in r.items() if k.endswith("GBps")))
+            lines.append("copies, GB/s: " + ", ".join(f"{k[:-5]} {v:.1f}" for k, v in r.items() if k.endswith("GBps"))
+                         + f"; H2D and D2H of {human(r['bytes'])} at once on both ranks: {ms(r['duplex_seconds'])} ms")
     lines.append("")
     lines.append("| op | dtype | host memory | size | floor | Gloo | naive staging | offload_shim | GPU-resident NCCL | shim / floor | Gloo / shim |")
     lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -50,7 +51,7 @@ def table(meta: dict, records: list[dict]) -> str:
     if sweep:
         lines.append("")
         lines.append("all_reduce 256 MiB fp32, time over floor by chunk size: " + "; ".join(
-            f"{human(r['chunk_bytes'])} {'pinned' if r['pinned'] else r['pageable_path']} {r['over_floor']:.2f}" for r in sweep))
+            f"{human(r['chunk_bytes'])} {r['variant']} {r['over_floor']:.2f}" for r in sweep))
     for r in records:
         if r["kind"] == "peak_memory":
             lines.append(f"peak extra accelerator memory, all_reduce of {human(r['bytes'])}: {human(r['peak_extra_bytes'])} "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -39,15 +40,24 @@ class StagingError(RuntimeError):
     """
 
 
+_served_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
-    """Device types (``"cpu"``, ``"cuda"``, ...) that have a backend registered on ``group``."""
-    devices = getattr(group, "_device_types", None)
-    if devices is not None:
-        return frozenset(d.type for d in devices)
-    served = set()
-    for name in _backend_names(group):
-        served.update(dist.Backend.backend_capability.get(name, ()))
-    return frozenset(served)
+    """Device types (``"cpu"``, ``"cuda"``, ...) that have a backend registered on ``group``. Cached per group:
+    a group's backends are fixed when it is made, and this is on every collective's path."""
+    served = _served_cache.get(group)
+    if served is None:
+        devices = getattr(group, "_device_types", None)
+        if devices is not None:
+            served = frozenset(d.type for d in devices)
+        else:
+            served = frozenset(t for name in _backend_names(group) for t in dist.Backend.backend_capability.get(name, ()))
+        try:
+            _served_cache[group] = served
+        except TypeError:  # a group type without weak references: not cached
+            pass
+    return served
 
 
 def backend_description(group: dist.ProcessGroup) -> str:
@@ -76,9 +86,7 @@ def resolve_c10d_group(group) -> dist.ProcessGroup | None:
     ``None``. ``None`` when there is none (torch then raises its own error) or when ``group`` is not a
     process group (e.g. ``GroupMember.NON_GROUP_MEMBER``, for which torch returns without communicating)."""
     if group is None:
-        if not dist.is_initialized():
-            return None
-        group = dist.distributed_c10d._get_default_group()
+        group = dist.group.WORLD  # None until init_process_group
     return group if isinstance(group, dist.ProcessGroup) else None
 
 

@@ -3,8 +3,9 @@
 ``all_reduce(tensor, op, group, async_op)`` and ``broadcast(tensor, src, group, async_op, group_src)``: when
 ``tensor`` is on the CPU and the group serves no CPU backend (or routes it, see ``_devices``), the tensor is
 staged, the original collective runs on the staged copy with the caller's other arguments, and the result is
-written back into the caller's own tensor object. Contiguous tensors go through the chunked pipeline
-(``_pipeline``), others as one staged copy (``_staging``). With ``async_op=True`` the returned work handle
+written back into the caller's own tensor object. Contiguous tensors of at least two chunks go through the
+chunked pipeline (``_pipeline``); smaller or non-contiguous ones as one staged copy (``_staging``), which costs
+less for a single chunk (measured: results/gpu/bench.log). With ``async_op=True`` the returned work handle
 finishes the copy back in ``wait()``. Every other call goes to torch untouched.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from offload_shim import _devices, _pipeline, _staging
+from offload_shim import _config, _devices, _pipeline, _staging
 from offload_shim._patching import Parameters, Target
 
 MODULE = "torch.distributed.distributed_c10d"
@@ -45,7 +46,8 @@ def _in_place_wrapper(collective: str):
             if device is None:
                 return wrapped(*args, **kwargs)
             async_op = bool(parameters.get(args, kwargs, "async_op", False))
-            if tensor.is_contiguous() and tensor.numel() > 0:
+            nbytes = tensor.numel() * tensor.element_size()
+            if tensor.is_contiguous() and nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * _config.settings().chunk_bytes:
                 source = _broadcast_source(parameters, args, kwargs, group) if collective == "broadcast" else None
 
                 def launch(chunk):

@@ -33,7 +33,13 @@ import torch.distributed as dist
 
 from offload_shim import _config, _staging
 
-PAGEABLE_PATH = "bounce"  # or "driver"; chosen by measurement (benchmarks/bench_staging.py)
+# Both chosen by measurement (benchmarks/bench_staging.py, results/gpu/bench.log): with pageable memory the
+# runtime's own staged copy beat a single-threaded copy through pinned bounce buffers (torchrun sets
+# OMP_NUM_THREADS=1); SLOTS is the number of chunks in flight, so the accelerator footprint is SLOTS chunks.
+PAGEABLE_PATH = "driver"  # or "bounce"
+SLOTS = 2
+# Tensors of fewer chunks than this are staged whole (_staging): with one chunk there is nothing to overlap.
+MIN_PIPELINED_CHUNKS = 2
 
 
 class _NoStream:
@@ -89,15 +95,15 @@ class _Pool:
         self.d2h = _NoStream() if cpu else torch.Stream(device=device)
         # A chunk holds at least one element of any dtype (16 bytes: complex128).
         self.slot_bytes = max(chunk_bytes, 16)
-        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        self.slot_free: list = [None, None]
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
+        self.slot_free: list = [None] * SLOTS
         self._host: dict[str, list[torch.Tensor]] = {}
-        self.host_in_free: list = [None, None]
+        self.host_in_free: list = [None] * SLOTS
 
     def host(self, direction: str, index: int) -> torch.Tensor:
         """Pinned bounce buffer ``index`` for ``direction`` ('in' or 'out'), made on first use."""
         if direction not in self._host:
-            self._host[direction] = [_host_empty(self.slot_bytes, torch.uint8, self.device) for _ in range(2)]
+            self._host[direction] = [_host_empty(self.slot_bytes, torch.uint8, self.device) for _ in range(SLOTS)]
         return self._host[direction][index]
 
     def buffers(self) -> list[torch.Tensor]:
@@ -112,7 +118,7 @@ def _pool(device: torch.device, chunk_bytes: int) -> _Pool:
     key = str(device)
     with _pools_lock:
         pool = _pools.get(key)
-        if pool is None or pool.chunk_bytes != chunk_bytes:
+        if pool is None or pool.chunk_bytes != chunk_bytes or len(pool.slots) != SLOTS:
             if pool is not None:
                 with pool.lock:
                     pool.d2h.synchronize()
@@ -176,7 +182,7 @@ def stage_in_place(
     with pool.lock, _staging.staged_call():
         pool.h2d.wait_stream(_current_stream(device))
         for index, start in enumerate(range(0, flat.numel(), per_chunk)):
-            s = index % 2
+            s = index % len(pool.slots)
             host_chunk = flat[start : start + per_chunk]
             slot = pool.slots[s][: host_chunk.numel() * itemsize].view(flat.dtype)
             if pool.slot_free[s] is not None:

@@ -12,7 +12,7 @@ def test_info_reports_entry_point_and_settings():
     out = cli("info")
     assert out.returncode == 0, out.stderr
     assert "torch.backends entry point     ['offload_shim_autoload:autoload']" in out.stdout
-    assert "settings                       Settings(staging_device=None, always_stage=False, chunk_bytes=33554432, route_min_bytes=1048576)" in out.stdout
+    assert "settings                       Settings(staging_device=None, always_stage=False, chunk_bytes=16777216, route_min_bytes=1048576)" in out.stdout
 
 
 def test_run_sets_offload_shim_and_activates_at_import_torch():
