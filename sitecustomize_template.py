@@ -18,18 +18,21 @@ def _offload_shim_chain_shadowed_sitecustomize():
     import sys
     import warnings
 
-    here = os.path.dirname(os.path.realpath(__file__))
-    index = next((i for i, p in enumerate(sys.path) if os.path.realpath(p or os.getcwd()) == here), None)
-    if index is None:
+    ours = os.path.realpath(__file__)
+    # The first sitecustomize on sys.path after ours that is not this same file (a directory may appear twice,
+    # under another spelling or through a link).
+    for entry in sys.path:
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [entry])
+        if spec is None or spec.origin is None or os.path.realpath(spec.origin) == ours:
+            continue
+        if spec.loader is None:
+            return
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            warnings.warn(f"the sitecustomize at {spec.origin} failed: {exc!r}", RuntimeWarning)
         return
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path[index + 1 :])
-    if spec is None or spec.loader is None:
-        return
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        warnings.warn(f"the sitecustomize at {spec.origin} failed: {exc!r}", RuntimeWarning)
 
 
 def _offload_shim_activate_on_torch_import():

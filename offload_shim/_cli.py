@@ -1,7 +1,8 @@
-"""Command line: ``python -m offload_shim`` (or ``offload-shim``).
+"""Command line: ``offload-shim`` (``offload_shim_boot.main``, which runs ``run`` without importing torch), or
+``python -m offload_shim``.
 
-    offload-shim info              what this environment would do: versions, accelerator, settings, entry point
-    offload-shim run CMD [ARG...]  run CMD with OFFLOAD_SHIM=1, e.g. offload-shim run torchrun --nproc_per_node 2 train.py
+    offload-shim info                 versions, accelerator, settings, start-up entry point, what is wrapped
+    offload-shim run [--] CMD [ARG...]  run CMD with OFFLOAD_SHIM=1, e.g. offload-shim run torchrun --nproc_per_node 2 train.py
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def _info() -> int:
         ("torch.backends entry point", entry_points or "not registered (is the package installed?)"),
         (_config.ENV_ENABLE, os.environ.get(_config.ENV_ENABLE, "<unset>")),
         ("settings", offload_shim.settings()),
-        ("import offload_shim installs", offload_shim.is_installed()),
-        ("wrapped", ", ".join(sorted(offload_shim.wrapped_functions())) or "-"),
+        ("installed (import offload_shim)", offload_shim.is_installed()),
+        ("wrapped so far", ", ".join(sorted(offload_shim.wrapped_functions())) or "-"),
+        ("", "(DTensor and functional collectives are wrapped when torch imports their modules)"),
     ]
     for key, value in rows:
         print(f"{key:30s} {value}")
@@ -40,6 +42,8 @@ def _info() -> int:
 
 
 def _run(command: list[str]) -> int:
+    if command[:1] == ["--"]:
+        command = command[1:]
     if not command:
         print("offload-shim run: give a command, e.g. offload-shim run torchrun --nproc_per_node 2 train.py", file=sys.stderr)
         return 2

@@ -114,6 +114,14 @@ def resolve_functional_group(group, tag: str = "") -> dist.ProcessGroup | None:
         return None
 
 
+def _usable(device: torch.device) -> bool:
+    """Whether this process can stage through accelerator ``device``."""
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type != device.type or not torch.accelerator.is_available():
+        return False
+    return device.index is None or device.index < torch.accelerator.device_count()
+
+
 def _accelerator_device(served: frozenset[str]) -> torch.device | None:
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None or accelerator.type not in served or not torch.accelerator.is_available():
@@ -161,6 +169,8 @@ def staging_device_for(
     if device is None:
         bound = getattr(group, "bound_device_id", None)
         device = bound if bound is not None and bound.type in served else _accelerator_device(served)
+    if device is not None and device.type != "cpu" and not _usable(device):
+        device = None
     if device is not None and device.type in served:
         # Routing off the CPU backend pays only where another backend serves the accelerator.
         if cpu_served and not settings.always_stage and device.type != "cpu":
@@ -185,7 +195,10 @@ def _routes(route_bytes: int | None, settings: _config.Settings) -> bool:
 def _unstageable_message(tensor, group, collective, served, configured) -> str:
     accelerator = torch.accelerator.current_accelerator()
     if configured is not None:
-        why = f"the configured staging device {str(configured)!r} ({_config.ENV_STAGING_DEVICE}) is not of a served type"
+        why = (
+            f"the configured staging device {str(configured)!r} (configure(staging_device=...) or "
+            f"{_config.ENV_STAGING_DEVICE}) is not usable from this process or not of a served type"
+        )
     elif accelerator is None:
         why = "this process has no accelerator (torch.accelerator.current_accelerator() is None)"
     elif accelerator.type not in served:

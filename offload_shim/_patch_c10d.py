@@ -56,7 +56,7 @@ def _in_place_wrapper(collective: str):
                     return wrapped(*chunk_args, **chunk_kwargs)
 
                 return _pipeline.stage_in_place(
-                    tensor, device, launch, reads=source is not False, writes=source is not True, async_op=async_op
+                    tensor, device, group, launch, reads=source is not False, writes=source is not True, async_op=async_op
                 )
             staged = _staging.to_staging(tensor, device)
             args, kwargs = parameters.replace(args, kwargs, "tensor", staged)

@@ -1,7 +1,7 @@
 """The chunked staging pipeline for elementwise in-place collectives (``all_reduce``, ``broadcast``).
 
-A contiguous host tensor is staged chunk by chunk through two accelerator buffers (slots) that live as long as
-the process (see :func:`release_buffers`), so that after the first call no staging call allocates accelerator
+A contiguous host tensor is staged chunk by chunk through two accelerator buffers (slots), one pair per staging
+device and process group, that live as long as the process (see :func:`release_buffers`), so that after the first call no staging call allocates accelerator
 memory, and the accelerator footprint is two chunks whatever the tensor's size. Per chunk ``i`` in slot
 ``i % 2``:
 
@@ -110,12 +110,15 @@ class _Pool:
         return [*self.slots, *(t for pair in self._host.values() for t in pair)]
 
 
-_pools: dict[str, _Pool] = {}
+# One pool per staging device and process group: a pool's lock is held while a chunk's collective is launched,
+# and a launch can block across ranks (a communicator's first use); two threads using two groups must not
+# wait for each other's lock there, in opposite orders on two ranks.
+_pools: dict[tuple[str, str], _Pool] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(device: torch.device, chunk_bytes: int) -> _Pool:
-    key = str(device)
+def _pool(device: torch.device, group: dist.ProcessGroup, chunk_bytes: int) -> _Pool:
+    key = (str(device), group.group_name)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None or pool.chunk_bytes != chunk_bytes or len(pool.slots) != SLOTS:
@@ -146,6 +149,7 @@ def pooled_buffers() -> list[torch.Tensor]:
 def stage_in_place(
     tensor: torch.Tensor,
     device: torch.device,
+    group: dist.ProcessGroup,
     launch: Callable[[torch.Tensor], dist.Work],
     *,
     reads: bool = True,
@@ -156,6 +160,7 @@ def stage_in_place(
     through ``device`` in chunks.
 
     Args:
+        group: the collective's process group (each group has its own buffers).
         launch: runs the collective, asynchronously, on one device chunk and returns its work handle.
         reads: whether the collective reads this rank's data (not on a broadcast's receiving ranks).
         writes: whether it writes this rank's data (not on a broadcast's source rank).
@@ -164,7 +169,7 @@ def stage_in_place(
     Returns:
         ``None`` once ``tensor`` holds the result, or the work handle.
     """
-    pool = _pool(device, _config.settings().chunk_bytes)
+    pool = _pool(device, group, _config.settings().chunk_bytes)
     flat = tensor.view(-1)
     itemsize = flat.element_size()
     per_chunk = max(1, pool.chunk_bytes // itemsize)
@@ -179,7 +184,8 @@ def stage_in_place(
         event.synchronize()
         destination.copy_(source)
 
-    with pool.lock, _staging.staged_call():
+    # Outside autograd, like the in-place collective it completes (the caller's tensor may require grad).
+    with pool.lock, _staging.staged_call(), torch.no_grad():
         pool.h2d.wait_stream(_current_stream(device))
         for index, start in enumerate(range(0, flat.numel(), per_chunk)):
             s = index % len(pool.slots)
@@ -228,6 +234,7 @@ def stage_in_place(
     def finish() -> None:
         done.synchronize()
         if private is not None:
-            flat.copy_(private)
+            with torch.no_grad():
+                flat.copy_(private)
 
     return _staging.StagedWork(works, finish, [tensor], done)

@@ -57,15 +57,16 @@ def _finish_on(device: torch.device) -> None:
 
 
 def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of host ``tensor`` on ``device``: same shape, dtype and strides where dense, new storage.
+    """A contiguous copy of host ``tensor`` on ``device`` (same shape and dtype, new storage): backends such as
+    NCCL take contiguous tensors only, whatever the caller's strides.
 
     Differentiable (``Tensor.to``), so functional collectives keep their autograd graph.
     """
     if device.type == "cpu":
-        return tensor.clone()
+        return tensor.clone(memory_format=torch.contiguous_format)
     # Pinned: an asynchronous DMA. Pageable: the runtime's own staged copy, measured faster than a copy into
     # pinned memory first (see _pipeline.PAGEABLE_PATH).
-    return tensor.to(device, non_blocking=True)
+    return tensor.to(device, non_blocking=True, memory_format=torch.contiguous_format)
 
 
 def to_caller(staged: torch.Tensor, device: torch.device) -> torch.Tensor:

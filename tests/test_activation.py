@@ -26,7 +26,7 @@ def last_line(result) -> str:
 
 def test_entry_point_is_registered():
     values = [e.value for e in importlib.metadata.entry_points(group="torch.backends") if e.name == "offload_shim"]
-    assert values == ["offload_shim_autoload:autoload"], "install the package (pip install -e .) to register it"
+    assert values == ["offload_shim_boot:autoload"], "install the package (pip install -e .) to register it"
 
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
@@ -73,6 +73,12 @@ def test_malformed_staging_device_rejected():
         env={"OFFLOAD_SHIM_STAGING_DEVICE": "gpu:zero"},
     )
     assert last_line(out).startswith("ConfigError OFFLOAD_SHIM_STAGING_DEVICE='gpu:zero' is not a device")
+
+
+def test_switched_off_a_malformed_other_setting_only_warns():
+    out = python("import offload_shim; print(offload_shim.is_installed())",
+                 env={"OFFLOAD_SHIM": "0", "OFFLOAD_SHIM_CHUNK_BYTES": "lots"})
+    assert last_line(out) == "False" and "OFFLOAD_SHIM_CHUNK_BYTES='lots' is not a size" in out.stderr
 
 
 def test_import_offload_shim_installs():
@@ -147,6 +153,14 @@ def test_sitecustomize_activates_on_torch_import(site):
         REPORT,
     )
     assert out.stdout.strip().splitlines()[-2:] == ["True False False", ALL_WRAPPED]
+
+
+def test_sitecustomize_with_its_directory_twice_on_the_path(site, tmp_path):
+    """The same directory under another spelling (a link): the shadowed one still runs, once, no recursion."""
+    link = tmp_path / "ours-link"
+    link.symlink_to(site[0])
+    out = site_python([site[0], str(link), site[1]], "import builtins; print(builtins.SHADOWED_SITECUSTOMIZE_RAN)")
+    assert last_line(out) == "True" and out.stderr == ""
 
 
 def test_sitecustomize_respects_false(site):

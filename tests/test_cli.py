@@ -1,23 +1,51 @@
-"""The command line."""
+"""The command line: ``offload-shim`` (``offload_shim_boot.main``) and ``python -m offload_shim``."""
 
+import os
 import subprocess
 import sys
 
+from interpreters import SHIM_VARIABLES
 
-def cli(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "offload_shim", *args], capture_output=True, text=True, timeout=120, **kwargs)
+BOOT = "import sys, offload_shim_boot; sys.exit(offload_shim_boot.main(sys.argv[1:]))"
+
+
+def cli(*args, env=None):
+    environ = {k: v for k, v in os.environ.items() if k not in SHIM_VARIABLES}
+    environ.update(env or {})
+    return subprocess.run([sys.executable, "-c", BOOT, *args], capture_output=True, text=True, timeout=120, env=environ)
 
 
 def test_info_reports_entry_point_and_settings():
     out = cli("info")
     assert out.returncode == 0, out.stderr
-    assert "torch.backends entry point     ['offload_shim_autoload:autoload']" in out.stdout
+    assert "torch.backends entry point     ['offload_shim_boot:autoload']" in out.stdout
     assert "settings                       Settings(staging_device=None, always_stage=False, chunk_bytes=16777216, route_min_bytes=1048576)" in out.stdout
 
 
+def test_python_dash_m_is_the_same_command():
+    out = subprocess.run([sys.executable, "-m", "offload_shim", "info"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "torch.backends entry point" in out.stdout
+
+
+PROBE = "import os, sys, torch, wrapt; print(os.environ['OFFLOAD_SHIM'], isinstance(torch.distributed.all_reduce, wrapt.FunctionWrapper))"
+
+
 def test_run_sets_offload_shim_and_activates_at_import_torch():
-    out = cli("run", sys.executable, "-c", "import os, torch, wrapt; print(os.environ['OFFLOAD_SHIM'], isinstance(torch.distributed.all_reduce, wrapt.FunctionWrapper))")
-    assert out.returncode == 0 and out.stdout.strip() == "1 True", out
+    for args in (("run", sys.executable, "-c", PROBE), ("run", "--", sys.executable, "-c", PROBE)):
+        out = cli(*args)
+        assert out.returncode == 0 and out.stdout.strip() == "1 True", out
+
+
+def test_run_needs_no_valid_environment_of_its_own():
+    """run replaces OFFLOAD_SHIM and imports neither torch nor offload_shim in the launcher."""
+    out = cli("run", sys.executable, "-c", "import os; print(os.environ['OFFLOAD_SHIM'])", env={"OFFLOAD_SHIM": "garbage"})
+    assert out.returncode == 0 and out.stdout.strip() == "1", out
+
+
+def test_info_reports_a_malformed_setting_as_a_message():
+    out = cli("info", env={"OFFLOAD_SHIM_STAGING_DEVICE": "banana"})
+    assert out.returncode == 2 and out.stderr.startswith("offload-shim: OFFLOAD_SHIM_STAGING_DEVICE='banana' is not a device")
+    assert "Traceback" not in out.stderr
 
 
 def test_run_errors():

@@ -67,4 +67,14 @@ def test_actionable_error_on_every_rank(accelerator_only_ranks, call_name):
 def test_configured_staging_device_of_unserved_type(accelerator_only_ranks):
     errors = accelerator_only_ranks.run_expecting_errors(raise_staging_error, "all_reduce", "cpu")
     for text in errors:
-        assert "the configured staging device 'cpu' (OFFLOAD_SHIM_STAGING_DEVICE) is not of a served type" in text
+        assert "the configured staging device 'cpu' (configure(staging_device=...) or OFFLOAD_SHIM_STAGING_DEVICE)" in text
+        assert "not usable from this process or not of a served type" in text
+
+
+def test_configured_accelerator_that_is_absent(accelerator_only_ranks):
+    """A staging device of a served type that this process cannot use: a StagingError, not a failure of
+    torch's pinned-memory allocator half way."""
+    errors = accelerator_only_ranks.run_expecting_errors(raise_staging_error, "all_reduce", "cuda:0")
+    for rank, text in enumerate(errors):
+        assert text.startswith(f"{rank}: StagingError: offload_shim: torch.distributed.all_reduce got a tensor on cpu")
+        assert "the configured staging device 'cuda:0'" in text

@@ -450,3 +450,79 @@ def check_uneven_shard_sizes(threshold):
 def test_uneven_full_tensor_has_local_sizes_on_both_sides_of_the_threshold(gloo_ranks):
     """Makes the routing test above meaningful: routing by local size would split the ranks."""
     assert sorted(gloo_ranks.run(check_uneven_shard_sizes, 4096)) == [4092, 4096]
+
+
+# ---------------------------------------------------------------- inputs found by trying to break it
+
+
+def check_requires_grad(chunk_bytes):
+    """A leaf that requires grad (a Parameter), as torch's in-place collectives take it: outside autograd."""
+    base = rank_input((10,), torch.float32, seed=21)
+    expected = base.clone()
+    dist.all_reduce(expected)
+    expected_broadcast = base.clone()
+    dist.broadcast(expected_broadcast, src=1)
+    parameter = torch.nn.Parameter(base.clone())
+    intermediate = base.clone().requires_grad_() * 1.0
+    with staging_through_cpu(chunk_bytes=chunk_bytes):
+        dist.all_reduce(parameter)
+        dist.all_reduce(intermediate)
+        received = torch.nn.Parameter(base.clone())
+        dist.broadcast(received, src=1)
+    assert parameter.requires_grad and parameter.is_leaf and same_bits(parameter, expected)
+    assert type(intermediate.grad_fn).__name__ == "MulBackward0" and same_bits(intermediate, expected)
+    assert same_bits(received, expected_broadcast)
+
+
+@pytest.mark.parametrize("chunk_bytes", [8, 1 << 20], ids=["pipelined", "whole"])
+def test_requires_grad_tensors(gloo_ranks, chunk_bytes):
+    gloo_ranks.run(check_requires_grad, chunk_bytes)
+
+
+def check_non_dense_views():
+    """Views that are not dense (stepped slices, a column): the staged copy is contiguous, which backends
+    need (NCCL refuses other strides; Gloo computes wrong values on non-dense views)."""
+    full = rank_input((6, 7), torch.float32, seed=23)
+    expected = full.clone()
+    dist.all_reduce(expected)  # a contiguous tensor: right on Gloo
+    for index in ((slice(None, None, 2), slice(1, None, 3)), (slice(None), 2), (slice(1, 4), slice(2, 5))):
+        holder = full.clone()
+        with staging_through_cpu():
+            dist.all_reduce(holder[index])
+        want = full.clone()
+        want[index] = expected[index]
+        assert same_bits(holder, want), index
+
+
+def test_non_dense_views(gloo_ranks):
+    gloo_ranks.run(check_non_dense_views)
+
+
+def check_threads_on_two_groups():
+    """Two threads run pipelined collectives on two groups at once; the ranks' threads interleave differently."""
+    import threading
+
+    groups = [dist.new_group([0, 1], backend="gloo") for _ in range(2)]
+    errors, results = [], {}
+
+    def worker(index):
+        try:
+            for step in range(20):
+                t = torch.full((33,), float(dist.get_rank() + index + step))
+                dist.all_reduce(t, group=groups[index])
+                results[(index, step)] = t[0].item() == float(2 * (index + step) + 1) and bool((t == t[0]).all())
+        except BaseException as exc:
+            errors.append(exc)
+
+    with staging_through_cpu(chunk_bytes=16):
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "deadlock"
+    assert not errors and all(results.values()) and len(results) == 40
+
+
+def test_threads_on_two_groups(gloo_ranks):
+    gloo_ranks.run(check_threads_on_two_groups)
