@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -18,5 +20,5 @@ def test_wrapper_cost_benchmark_reports_a_ratio(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["shim_on_us_per_call"] > 0 and report["shim_off_us_per_call"] > 0
-    assert report["ratio_on_over_off"] == report["shim_on_us_per_call"] / report["shim_off_us_per_call"]
+    assert report["ratio_on_over_off"] == pytest.approx(report["shim_on_us_per_call"] / report["shim_off_us_per_call"], rel=1e-12)
     assert "ratio" in result.stdout
