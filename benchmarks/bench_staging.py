@@ -95,7 +95,7 @@ def measure_h2d(bench, nbytes=256 * MiB):
     }
     # Both directions at once, on both ranks: what an all_reduce staged through pinned memory must move.
     h2d, d2h_stream = torch.Stream(device=bench.device), torch.Stream(device=bench.device)
-    back = torch.empty_like(src)
+    back = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)  # empty_like would not pin it
     dst2 = torch.empty_like(dst)
 
     def duplex():
