@@ -26,23 +26,27 @@ def autoload() -> None:
         warnings.warn(f"offload_shim is not enabled: {exc}", RuntimeWarning, stacklevel=2)
 
 
+def run_command(command: list) -> int:
+    """Execute ``command`` (an argv list, optionally after ``--``) with ``OFFLOAD_SHIM=1``; returns only on error."""
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("offload-shim run: give a command, e.g. offload-shim run torchrun --nproc_per_node 2 train.py",
+              file=sys.stderr)
+        return 2
+    os.environ["OFFLOAD_SHIM"] = "1"
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"offload-shim run: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
+
+
 def main(argv=None) -> int:
     """``offload-shim run [--] CMD [ARG...]`` or ``offload-shim info`` (see ``offload_shim._cli``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:
-        command = argv[1:]
-        if command[:1] == ["--"]:
-            command = command[1:]
-        if not command:
-            print("offload-shim run: give a command, e.g. offload-shim run torchrun --nproc_per_node 2 train.py",
-                  file=sys.stderr)
-            return 2
-        os.environ["OFFLOAD_SHIM"] = "1"
-        try:
-            os.execvp(command[0], command)
-        except OSError as exc:
-            print(f"offload-shim run: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
-            return 127
+        return run_command(argv[1:])
     try:
         from offload_shim import _cli
     except ValueError as exc:  # offload_shim.ConfigError: a malformed OFFLOAD_SHIM* variable

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 
 def _info() -> int:
@@ -41,20 +40,6 @@ def _info() -> int:
     return 0
 
 
-def _run(command: list[str]) -> int:
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        print("offload-shim run: give a command, e.g. offload-shim run torchrun --nproc_per_node 2 train.py", file=sys.stderr)
-        return 2
-    os.environ["OFFLOAD_SHIM"] = "1"
-    try:
-        os.execvp(command[0], command)
-    except OSError as exc:
-        print(f"offload-shim run: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
-        return 127
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="offload-shim", description="Stage CPU tensors of collectives through the accelerator.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,4 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
-    return _run(args.argv)
+    from offload_shim_boot import run_command
+
+    return run_command(args.argv)
