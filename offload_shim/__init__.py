@@ -8,7 +8,8 @@ back to where the caller expects it, with the same semantics and the same bits.
 
 Importing this package installs the wrappers, unless ``OFFLOAD_SHIM`` is false (see ``offload_shim._config``
 for every environment variable). Public API: :func:`install`, :func:`uninstall`, :func:`is_installed`,
-:func:`configure`, :func:`wrapped_functions`, :class:`StagingError`, :class:`ConfigError`.
+:func:`configure`, :func:`settings`, :func:`wrapped_functions`, :func:`release_buffers`, :class:`StagingError`,
+:class:`ConfigError`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 from offload_shim import _patching
 from offload_shim._config import ConfigError, Settings, configure, settings
 from offload_shim._devices import StagingError
+from offload_shim._pipeline import release_buffers
 
 __all__ = [
     "ConfigError",
@@ -28,6 +30,7 @@ __all__ = [
     "configure",
     "install",
     "is_installed",
+    "release_buffers",
     "settings",
     "uninstall",
     "wrapped_functions",
