@@ -115,6 +115,30 @@ def async_handles():
         assert torch.equal(t, torch.full_like(t, -1.0))
 
 
+def pipelined_all_reduce(pinned: bool, asynchronous: bool):
+    """An all_reduce of several chunks plus a short one (reads and writes on every rank, so each slot's H2D must
+    wait for its previous D2H), with the pooled buffers poisoned between calls; equal to the GPU-resident
+    all_reduce bit for bit (with two ranks each element is one addition, whatever the chunking)."""
+    from offload_shim import _pipeline
+
+    rank = dist.get_rank()
+    chunk = offload_shim.settings().chunk_bytes
+    n = 6 * chunk // 4 + 5
+    host = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    expected = host.to(accelerator())
+    dist.all_reduce(expected)
+    expected = expected.cpu()
+    with shim():
+        for _ in range(2):
+            t = host.pin_memory() if pinned else host.clone()
+            work = dist.all_reduce(t, async_op=asynchronous)
+            if asynchronous:
+                work.wait()
+            assert same_bits(t, expected)
+            for buffer in _pipeline.pooled_buffers():
+                buffer.fill_(0xFF)
+
+
 def case10_broadcast(pinned: bool, dtype_name: str, asynchronous: bool):
     rank = dist.get_rank()
     dtype = getattr(torch, dtype_name)
@@ -232,6 +256,12 @@ def test_case12_norm_scalar_all_reduce(accelerator_ranks):
 
 def test_async_work_handles(accelerator_ranks):
     accelerator_ranks.run(async_handles)
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_pipelined_all_reduce(accelerator_ranks, pinned, asynchronous):
+    accelerator_ranks.run(pipelined_all_reduce, pinned, asynchronous)
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
