@@ -41,12 +41,11 @@ def _in_place_wrapper(collective: str):
             group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
             if group is None:
                 return wrapped(*args, **kwargs)
-            route_bytes = tensor.numel() * tensor.element_size()  # the same on every rank for these collectives
-            device = _devices.staging_device_for(tensor, group, f"torch.distributed.{collective}", route_bytes)
+            nbytes = tensor.numel() * tensor.element_size()  # the same on every rank for these collectives
+            device = _devices.staging_device_for(tensor, group, f"torch.distributed.{collective}", nbytes)
             if device is None:
                 return wrapped(*args, **kwargs)
             async_op = bool(parameters.get(args, kwargs, "async_op", False))
-            nbytes = tensor.numel() * tensor.element_size()
             if tensor.is_contiguous() and nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * _config.settings().chunk_bytes:
                 source = _broadcast_source(parameters, args, kwargs, group) if collective == "broadcast" else None
 

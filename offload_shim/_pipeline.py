@@ -1,9 +1,9 @@
 """The chunked staging pipeline for elementwise in-place collectives (``all_reduce``, ``broadcast``).
 
 A contiguous host tensor is staged chunk by chunk through two accelerator buffers (slots), one pair per staging
-device and process group, that live as long as the process (see :func:`release_buffers`), so that after the first call no staging call allocates accelerator
-memory, and the accelerator footprint is two chunks whatever the tensor's size. Per chunk ``i`` in slot
-``i % 2``:
+device and process group, that live as long as the process (see :func:`release_buffers`), so that after the
+first call no staging call allocates accelerator memory, and the accelerator footprint is two chunks whatever the
+tensor's size. Per chunk ``i`` in slot ``i % 2``:
 
 * H2D on the pool's H2D stream, after the slot's previous D2H (event ``slot_free``);
 * the collective, launched with the H2D stream current, so the backend's stream waits on that copy;
@@ -84,7 +84,7 @@ def _host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 class _Pool:
-    """Staging buffers, streams and events of one staging device."""
+    """Staging buffers, streams and events of one staging device and process group."""
 
     def __init__(self, device: torch.device, chunk_bytes: int):
         self.device = device
