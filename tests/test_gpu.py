@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import offload_shim
+from bitwise import same_bits
 from ranks import RankPool
 
 pytestmark = [
@@ -30,14 +31,6 @@ def accelerator_ranks():
 
 
 # ---------------------------------------------------------------- helpers run inside the ranks
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
-
-
-def same_bits(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and torch.equal(bits(a), bits(b))
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import offload_shim
+from bitwise import same_bits
 from offload_shim import _pipeline
 
 # ---------------------------------------------------------------- helpers run inside the ranks
@@ -64,14 +65,6 @@ def staging_through_cpu(**settings):
     offload_shim.install()
     with configured(staging_device="cpu", always_stage=True, **settings), recording_staging() as devices:
         yield devices
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 def rank_input(shape, dtype, seed):
