@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 
 import logging
 
-from offload_shim import _patching
+from offload_shim import _patch_compiled, _patching
+from offload_shim._communicators import register_communicator
 from offload_shim._config import ConfigError, Settings, configure, settings
 from offload_shim._devices import StagingError
 from offload_shim._pipeline import release_buffers
@@ -30,6 +31,7 @@ __all__ = [
     "configure",
     "install",
     "is_installed",
+    "register_communicator",
     "release_buffers",
     "settings",
     "uninstall",
@@ -40,9 +42,15 @@ logging.getLogger("offload_shim").addHandler(logging.NullHandler())
 
 
 def _targets():
-    from offload_shim import _patch_c10d, _patch_dtensor, _patch_functional
+    from offload_shim import _patch_c10d, _patch_c10d_lists, _patch_dtensor, _patch_functional, _patch_p2p
 
-    return [*_patch_c10d.TARGETS, *_patch_functional.TARGETS, *_patch_dtensor.TARGETS]
+    return [
+        *_patch_c10d.TARGETS,
+        *_patch_c10d_lists.TARGETS,
+        *_patch_p2p.TARGETS,
+        *_patch_functional.TARGETS,
+        *_patch_dtensor.TARGETS,
+    ]
 
 
 def install() -> None:
@@ -55,12 +63,14 @@ def install() -> None:
         logging.getLogger("offload_shim").info("offload_shim: torch.distributed is unavailable; nothing installed")
         return
     _patching.install(_targets())
+    _patch_compiled.install()
 
 
 def uninstall() -> None:
     """Remove the wrappers: the exact original objects are bound again under every name where a wrapper was
     (modules imported while the shim was installed included). Removing twice changes nothing."""
     _patching.uninstall()
+    _patch_compiled.uninstall()
 
 
 def is_installed() -> bool:

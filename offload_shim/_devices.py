@@ -188,6 +188,30 @@ def staging_device_for(
     raise StagingError(_unstageable_message(tensor, group, collective, served, settings.staging_device))
 
 
+def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) -> torch.device | None:
+    """Where to stage the CPU tensors among ``tensors`` (every tensor argument of one call, inputs and outputs)
+    for ``collective`` on ``group``; ``None`` to run the call untouched. Never routed by size: these calls' sizes
+    may differ per rank.
+
+    A call whose other tensors are on an accelerator the group serves (``all_gather_into_tensor`` of a CPU input
+    into a GPU output) stages its CPU tensors through that tensor's device, where torch runs the call; otherwise
+    the choice is :func:`staging_device_for`'s. Sparse tensors are left to torch.
+
+    Raises:
+        StagingError: as :func:`staging_device_for`.
+    """
+    host = next((t for t in tensors if t.device.type == "cpu" and t.layout == torch.strided), None)
+    if host is None or _staging.in_staged_call():
+        return None
+    served = served_device_types(group)
+    for t in tensors:
+        if t.device.type != "cpu" and t.device.type in served:
+            if "cpu" not in served or backend_for(group, "cpu") != backend_for(group, t.device.type):
+                return t.device
+            return None
+    return staging_device_for(host, group, collective)
+
+
 def _routes(route_bytes: int | None, settings: _config.Settings) -> bool:
     return route_bytes is not None and settings.route_min_bytes is not None and route_bytes >= settings.route_min_bytes
 

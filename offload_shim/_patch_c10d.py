@@ -1,24 +1,44 @@
-"""Wrappers for ``torch.distributed`` collectives that work in place on one tensor.
+"""Wrappers for ``torch.distributed`` collectives, and the one wrapper shape every c10d family shares.
 
-``all_reduce(tensor, op, group, async_op)`` and ``broadcast(tensor, src, group, async_op, group_src)``: when
-``tensor`` is on the CPU and the group serves no CPU backend (or routes it, see ``_devices``), the tensor is
-staged, the original collective runs on the staged copy with the caller's other arguments, and the result is
-written back into the caller's own tensor object. Contiguous tensors of at least two chunks go through the
-chunked pipeline (``_pipeline``); smaller or non-contiguous ones as one staged copy (``_staging``), which costs
-less for a single chunk (measured: results/gpu/bench.log). With ``async_op=True`` the returned work handle
-finishes the copy back in ``wait()``. Every other call goes to torch untouched.
+In place on one tensor, elementwise (this module's :data:`TARGETS`): ``all_reduce(tensor, op, group, async_op)``,
+``broadcast(tensor, src, group, async_op, group_src)`` and ``reduce(tensor, dst, op, group, async_op,
+group_dst)``. When ``tensor`` is on the CPU and the group serves no CPU backend (or routes it, see ``_devices``),
+the tensor is staged, the original collective runs on the staged copy with the caller's other arguments, and the
+result is written back into the caller's own tensor object. Contiguous tensors of at least two chunks go through
+the chunked pipeline (``_pipeline``): their size is the same on every rank (torch requires it), so every rank
+splits them alike. Smaller or non-contiguous ones are staged whole, which costs less for a single chunk
+(measured: results/gpu/bench.log). ``reduce`` writes back on every rank, not only on ``dst``: the caller's
+tensor ends as the backend leaves the staged copy (Gloo uses non-destination tensors as scratch; NCCL leaves
+them alone).
+
+Every other tensor collective (gathers, scatters, all-to-all, point-to-point: ``_patch_c10d_lists``,
+``_patch_p2p``) is wrapped by :func:`staged_arguments_wrapper`, from a table of which parameters the call reads
+and writes. Those calls are staged whole, never chunked: their sizes may differ per rank (uneven list gathers,
+``all_to_all_single`` splits, ``gather_list`` only on the root), and a rank that split a call into another number
+of collectives than its peers would leave them waiting.
+
+With ``async_op=True`` (and for ``isend``/``irecv``) the returned work handle finishes the copy back in
+``wait()``. Every call that needs no staging goes to torch untouched.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Mapping
+
 import torch
-import torch.distributed as dist
 
 from offload_shim import _config, _devices, _pipeline, _staging
 from offload_shim._patching import Parameters, Target
 
 MODULE = "torch.distributed.distributed_c10d"
-IN_PLACE_COLLECTIVES = ("all_reduce", "broadcast")
+IN_PLACE_COLLECTIVES = ("all_reduce", "broadcast", "reduce")
+
+_log = logging.getLogger("offload_shim")
+
+# What a staged tensor parameter is to the call: read (copied to the staging device), written (copied back into
+# the caller's tensor), or both.
+READ, WRITE, READ_WRITE = "read", "write", "read-write"
 
 
 def _broadcast_source(parameters, args, kwargs, group) -> bool | None:
@@ -27,7 +47,7 @@ def _broadcast_source(parameters, args, kwargs, group) -> bool | None:
     if group_src is not None:
         return group.rank() == group_src
     src = parameters.get(args, kwargs, "src")
-    return None if src is None else dist.get_rank() == src
+    return None if src is None else torch.distributed.get_rank() == src
 
 
 def _in_place_wrapper(collective: str):
@@ -57,18 +77,66 @@ def _in_place_wrapper(collective: str):
                 return _pipeline.stage_in_place(
                     tensor, device, group, launch, reads=source is not False, writes=source is not True, async_op=async_op
                 )
-            staged = _staging.to_staging(tensor, device)
-            args, kwargs = parameters.replace(args, kwargs, "tensor", staged)
+            staged = _staging.StagedArguments(device)
+            args, kwargs = parameters.replace(args, kwargs, "tensor", staged.stage(tensor, reads=True, writes=True))
             with _staging.staged_call():
-                work = wrapped(*args, **kwargs)
-            if not async_op:  # the current stream is ordered after the collective
-                _staging.copy_into(tensor, staged)
-                return None
-            return _staging.StagedWork([work], lambda: _staging.copy_into(tensor, staged), [tensor])
+                result = wrapped(*args, **kwargs)
+            return staged.complete(result)
 
         return wrapper
 
     return make
+
+
+def staged_arguments_wrapper(collective: str, roles: Mapping[str, str]):
+    """A wrapper factory for a ``torch.distributed`` call whose tensor parameters are ``roles`` (parameter name to
+    :data:`READ`, :data:`WRITE` or :data:`READ_WRITE`; a parameter may hold a tensor, a list of tensors, nested
+    lists, or ``None``).
+
+    Host tensors among them that the call's group cannot serve (``_devices.staging_device_for_call``) are staged
+    whole; tensors already on a device the group serves are passed as they are, so a call with inputs and outputs
+    on different devices stages only its host side, and results land in the caller's own tensor objects on their
+    own devices.
+    """
+    name = f"torch.distributed.{collective}"
+
+    def make(original):
+        parameters = Parameters(original)
+        missing = [param for param in (*roles, "group") if param not in parameters]
+        if missing:  # a torch whose signature differs: leave the function alone rather than guess
+            _log.warning("offload_shim: %s has no parameter(s) %s in this torch; not staged", name, missing)
+            return lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)
+
+        def wrapper(wrapped, instance, args, kwargs):
+            values = {param: parameters.get(args, kwargs, param) for param in roles}
+            tensors = list(_tensors(values.values()))
+            if not any(_staging.needs_staging(t) for t in tensors):
+                return wrapped(*args, **kwargs)
+            group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
+            if group is None:
+                return wrapped(*args, **kwargs)
+            device = _devices.staging_device_for_call(tensors, group, name)
+            if device is None:
+                return wrapped(*args, **kwargs)
+            staged = _staging.StagedArguments(device)
+            for param, role in roles.items():
+                value = staged.stage(values[param], reads=role != WRITE, writes=role != READ)
+                args, kwargs = parameters.replace(args, kwargs, param, value)
+            with _staging.staged_call():
+                result = wrapped(*args, **kwargs)
+            return staged.complete(result)
+
+        return wrapper
+
+    return make
+
+
+def _tensors(values):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
 
 
 TARGETS = [Target(MODULE, name, _in_place_wrapper(name)) for name in IN_PLACE_COLLECTIVES]

@@ -59,6 +59,7 @@ _installed = False
 _applied: dict[tuple[str, str | None, str], _Applied] = {}
 _hooked_modules: set[str] = set()
 _targets: list[Target] = []
+_added: list[Target] = []  # targets added by add_target(), wrapped by every install() after it
 
 
 def is_installed() -> bool:
@@ -141,21 +142,37 @@ def _on_import(module) -> None:
 
 
 def install(targets: list[Target]) -> None:
-    """Wrap ``targets``: now where their module is imported, else when it is. Installing twice changes nothing."""
+    """Wrap ``targets`` and those of :func:`add_target`: now where their module is imported, else when it is.
+    Installing twice changes nothing."""
     global _installed
     with _lock:
         if _installed:
             return
         _installed = True
-        _targets[:] = targets
-        for module_name in dict.fromkeys(t.module for t in targets):
-            if module_name in _hooked_modules:
-                if module_name in sys.modules:
-                    _on_import(sys.modules[module_name])
-            else:
-                _hooked_modules.add(module_name)
-                # Runs _on_import at once if the module is imported already, else after its import.
-                wrapt.register_post_import_hook(_on_import, module_name)
+        _targets[:] = [*targets, *_added]
+        for module_name in dict.fromkeys(t.module for t in _targets):
+            _hook(module_name)
+
+
+def _hook(module_name: str) -> None:
+    """Apply the targets of ``module_name`` now if it is imported, else when it is."""
+    if module_name in _hooked_modules:
+        if module_name in sys.modules:
+            _on_import(sys.modules[module_name])
+    else:
+        _hooked_modules.add(module_name)
+        # Runs _on_import at once if the module is imported already, else after its import.
+        wrapt.register_post_import_hook(_on_import, module_name)
+
+
+def add_target(target: Target) -> None:
+    """Wrap ``target`` from now on: at once if installed (when its module is imported, if it is not yet), and
+    at every later :func:`install`. :func:`uninstall` removes it like any other."""
+    with _lock:
+        _added.append(target)
+        if _installed:
+            _targets.append(target)
+            _hook(target.module)
 
 
 def uninstall() -> None:
@@ -185,6 +202,9 @@ class Parameters:
 
         names = list(inspect.signature(function).parameters)
         self._position = {name: i for i, name in enumerate(names)}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._position
 
     def get(self, args: tuple, kwargs: dict, name: str, default=None):
         position = self._position.get(name)

@@ -79,12 +79,76 @@ def to_caller(staged: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-def copy_into(destination: torch.Tensor, staged: torch.Tensor) -> None:
-    """Write ``staged`` into the caller's own ``destination`` (same object, dtype, shape, strides and
-    storage), complete when this returns. Outside autograd, like the in-place collective it completes."""
-    with torch.no_grad():
-        destination.copy_(staged, non_blocking=_is_pinned(destination))
-    _finish_on(staged.device)
+def _writable(destination: torch.Tensor):
+    """Where an in-place copy into the caller's ``destination`` is allowed: an inference tensor (made under
+    ``torch.inference_mode()``, as rollouts and eval metrics are) takes writes only inside inference mode, which
+    torch's own collectives bypass in C++."""
+    return torch.inference_mode() if destination.is_inference() else contextlib.nullcontext()
+
+
+def needs_staging(value) -> bool:
+    """Whether ``value`` is a host tensor that a staged call copies: a strided (dense) CPU tensor. Sparse
+    tensors are left to torch."""
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided
+
+
+class StagedArguments:
+    """The tensor arguments of one call, staged through ``device``: host tensors (:func:`needs_staging`) are
+    replaced by tensors on ``device``, others are passed as they are. A tensor the call reads is copied there
+    (:func:`to_staging`); one it only writes gets fresh memory there. After the call, :meth:`complete` copies
+    what the call wrote back into the caller's own tensor objects.
+
+    Args:
+        device: the staging device.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._written: list[tuple[torch.Tensor, torch.Tensor]] = []  # (caller's tensor, staged tensor)
+        self._copied = False
+        self._lock = threading.Lock()
+
+    def stage(self, value, reads: bool, writes: bool):
+        """``value`` (a tensor, ``None``, or a list or tuple of them, nested) with host tensors staged."""
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.stage(v, reads, writes) for v in value)
+        if not needs_staging(value):
+            return value
+        with torch.no_grad():
+            if reads:
+                staged = to_staging(value, self.device)
+            else:
+                staged = torch.empty(value.shape, dtype=value.dtype, device=self.device)
+        if writes:
+            self._written.append((value, staged))
+        return staged
+
+    def callers(self) -> list[torch.Tensor]:
+        """The caller's tensors the call writes, in argument order."""
+        return [caller for caller, _ in self._written]
+
+    def copy_back(self) -> None:
+        """Write each staged result into the caller's tensor (same object, strides and storage), complete when
+        this returns: all D2H copies are queued, then waited for once. Only the first call copies (several work
+        handles of one ``batch_isend_irecv`` share one copy back)."""
+        with self._lock:
+            if self._copied:
+                return
+            with torch.no_grad():
+                for caller, staged in self._written:
+                    with _writable(caller):
+                        caller.copy_(staged, non_blocking=_is_pinned(caller))
+            _finish_on(self.device)
+            self._copied = True
+
+    def complete(self, result):
+        """Finish the call that returned ``result``: a work handle (``async_op=True``, ``isend``, ``irecv``)
+        becomes a :class:`StagedWork` that copies back when waited; anything else is returned after the copy
+        back."""
+        if isinstance(result, dist.Work):
+            return StagedWork([result], self.copy_back, self.callers())
+        self.copy_back()
+        return result
 
 
 class StagedWork(dist.Work):
@@ -119,6 +183,8 @@ class StagedWork(dist.Work):
                 self._finished = True
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        if self._finished:  # torch's works are waited once: a Gloo receive's wait() blocks if called again
+            return True
         for work in self._works:
             if timeout:
                 work.wait(timeout)
