@@ -4,7 +4,8 @@ import torch
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+    # A fresh contiguous copy: a one-element view may keep a stride other than 1, which view() refuses.
+    return t.detach().clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

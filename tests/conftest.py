@@ -22,3 +22,46 @@ def accelerator_only_ranks():
     pool = RankPool(world_size=2, backend="cuda:gloo")
     yield pool
     pool.close()
+
+
+
+class ContractTally:
+    """Counts the generated contract cases (tests/contracts.py) of a run for the report at its end. Tests record
+    each case as a ``contract_case`` user property, which reaches this process from pytest-xdist's workers too."""
+
+    def __init__(self):
+        self.cases = {}
+        self.calls = {}
+        self.refused = 0
+
+    def add(self, world_size, ops, refused):
+        self.cases[world_size] = self.cases.get(world_size, 0) + 1
+        for op in ops:
+            self.calls[op] = self.calls.get(op, 0) + 1
+        self.refused += refused
+
+    def lines(self):
+        total = sum(self.cases.values())
+        by_ranks = ", ".join(f"{n} ranks: {c}" for n, c in sorted(self.cases.items()))
+        by_op = ", ".join(f"{op} {c}" for op, c in sorted(self.calls.items()))
+        return [
+            f"contract cases run: {total} ({by_ranks}); collective calls checked: {sum(self.calls.values())}, "
+            f"of which refused by torch and by the shim alike: {self.refused}",
+            f"calls by collective: {by_op}",
+        ]
+
+
+_tally = ContractTally()
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        for name, value in report.user_properties:
+            if name == "contract_case":
+                _tally.add(*value)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _tally.cases:
+        for line in _tally.lines():
+            terminalreporter.write_line(line)

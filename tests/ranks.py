@@ -27,6 +27,9 @@ def _free_port() -> int:
 
 
 def _serve(rank, world_size, port, backend, env, connection):
+    import faulthandler
+
+    faulthandler.enable()  # a rank that crashes says where
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
