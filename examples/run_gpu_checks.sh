@@ -2,7 +2,8 @@
 # One command for every GPU result this project commits (needs 2 accelerators of one host):
 #   bash examples/run_gpu_checks.sh [OUTDIR]
 # 1. installs offload_shim (editable, so its torch.backends entry point is live);
-# 2. runs the GPU tests (cases 01, 08, 10, 12, async work handles);
+# 2. runs the GPU tests (cases 01, 08, 10, 12, the field cases in tests/cases, the equality contract, async work
+#    handles, mixed devices, compiled code, communicators);
 # 3. runs the example: without the shim on a NCCL-only group (expected to fail with torch's error), with
 #    OFFLOAD_SHIM=1, and the two references (offload over cpu:gloo,cuda:nccl without the shim; no offload);
 # 4. compares the runs;
@@ -25,7 +26,9 @@ steps=${STEPS:-20}
   env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)='
 } > "$out/env.log" 2>&1
 
-python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
+# Every GPU test (cases 01-12, the field cases of tests/cases run by torchrun, the equality contract's GPU part,
+# mixed devices, compiled code, communicators); addopts="" drops the CPU suite's xdist workers.
+python3 -m pytest -o addopts="" -m gpu -v -s -p no:cacheprovider ${GPU_TESTS:-tests/} 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=$?
 
 example() {  # name, env assignments..., -- example arguments...

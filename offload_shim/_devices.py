@@ -176,13 +176,7 @@ def staging_device_for(
         if cpu_served and not settings.always_stage and device.type != "cpu":
             if backend_for(group, device.type) == backend_for(group, "cpu"):
                 return None
-        if _log.isEnabledFor(logging.DEBUG):
-            _log.debug(
-                "offload_shim: staging %s of a cpu tensor %s %s through %s (group %s, backend %r)",
-                collective, tuple(tensor.shape), tensor.dtype, device, group_label(group), backend_description(group),
-                extra={"offload_shim_collective": collective, "offload_shim_device": str(device)},
-            )
-        return device
+        return _staging_through(device, tensor, group, collective)
     if cpu_served:
         return None
     raise StagingError(_unstageable_message(tensor, group, collective, served, settings.staging_device))
@@ -207,9 +201,20 @@ def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) 
     for t in tensors:
         if t.device.type != "cpu" and t.device.type in served:
             if "cpu" not in served or backend_for(group, "cpu") != backend_for(group, t.device.type):
-                return t.device
+                return _staging_through(t.device, host, group, collective)
             return None
     return staging_device_for(host, group, collective)
+
+
+def _staging_through(device: torch.device, tensor: torch.Tensor, group, collective: str) -> torch.device:
+    """``device``, the decision to stage ``tensor`` for ``collective`` through it, logged at DEBUG."""
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug(
+            "offload_shim: staging %s of a cpu tensor %s %s through %s (group %s, backend %r)",
+            collective, tuple(tensor.shape), tensor.dtype, device, group_label(group), backend_description(group),
+            extra={"offload_shim_collective": collective, "offload_shim_device": str(device)},
+        )
+    return device
 
 
 def _routes(route_bytes: int | None, settings: _config.Settings) -> bool:

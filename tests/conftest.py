@@ -32,13 +32,14 @@ class ContractTally:
     def __init__(self):
         self.cases = {}
         self.calls = {}
-        self.refused = 0
+        self.refused = {}  # "op/dtype/reduce op: error type" -> count
 
     def add(self, world_size, ops, refused):
         self.cases[world_size] = self.cases.get(world_size, 0) + 1
         for op in ops:
             self.calls[op] = self.calls.get(op, 0) + 1
-        self.refused += refused
+        for what in refused:
+            self.refused[what] = self.refused.get(what, 0) + 1
 
     def lines(self):
         total = sum(self.cases.values())
@@ -46,8 +47,10 @@ class ContractTally:
         by_op = ", ".join(f"{op} {c}" for op, c in sorted(self.calls.items()))
         return [
             f"contract cases run: {total} ({by_ranks}); collective calls checked: {sum(self.calls.values())}, "
-            f"of which refused by torch and by the shim alike: {self.refused}",
+            f"of which refused by torch and by the shim alike: {sum(self.refused.values())}",
             f"calls by collective: {by_op}",
+            "refused (collective/dtype/reduce op: error, count): "
+            + ", ".join(f"{what} {n}" for what, n in sorted(self.refused.items())),
         ]
 
 

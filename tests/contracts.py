@@ -16,7 +16,8 @@ holds, that the rest of each view's buffer is unchanged, that results land in th
 CPU, and that a call torch refuses is refused staged too, with the same exception type and nothing written
 (even where torch's own path writes part of an output before it raises, as Gloo's list ``reduce_scatter`` does).
 These calls are staged whole (the default chunk is far above their sizes), so bitwise equality holds at any
-number of ranks.
+number of ranks. On GPU ranks a case may also keep some of a call's tensors on the accelerator (mixed devices):
+only the host ones are staged, and every result lands on its own tensor's device.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ FUNCTIONAL = [
     "funcol.all_gather_into_tensor_coalesced", "funcol.reduce_scatter_tensor_coalesced",
 ]
 OPS = C10D + FUNCTIONAL
+REDUCING = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "funcol.all_reduce",
+            "funcol.reduce_scatter_tensor", "funcol.all_reduce_coalesced", "funcol.reduce_scatter_tensor_coalesced"}
 # 0-dim tensors allowed (torch 2.13's permute_tensor of a 0-dim tensor crashes the process, shim or not)
 SHAPE_FREE = {"all_reduce", "broadcast", "reduce", "send_recv", "batch_isend_irecv", "funcol.all_reduce",
               "funcol.broadcast", "funcol.all_reduce_coalesced"}
@@ -66,6 +69,7 @@ class Call:
     async_op: bool
     seed: int
     splits: tuple = ()  # all_to_all_single: rows rank i sends to rank j, splits[i][j]; all_gather_uneven: rows
+    placement: int = 0  # bit i set: the call's i-th tensor is on the accelerator (mixed devices; GPU runs only)
 
 
 def calls(world_size: int):
@@ -98,6 +102,7 @@ def calls(world_size: int):
             async_op=not functional and draw(st.booleans()),
             seed=draw(st.integers(0, 2**20)),
             splits=splits,
+            placement=draw(st.sampled_from([0, 0, draw(st.integers(0, 255))])),
         )
 
     return call()
@@ -174,6 +179,10 @@ class _Tensors:
 
     def __call__(self, shape, key) -> torch.Tensor:
         values = _values(tuple(shape), self.dtype, (self.call.seed, dist.get_rank(), key))
+        index = len(self.made)
+        if self.host and self.device.type != "cpu" and self.call.placement >> index & 1:
+            self.made.append(values.to(self.device))  # this one the caller keeps on the accelerator
+            return self.made[-1]
         if self.host:
             layout = self.call.layout
             if layout == "transposed" and len(shape) < 2 or layout == "channels_last" and len(shape) != 4:
@@ -187,6 +196,9 @@ class _Tensors:
 
     def tensors(self) -> list[torch.Tensor]:
         return [m.tensor if isinstance(m, _Host) else m for m in self.made]
+
+    def hosts(self) -> list[_Host]:
+        return [m for m in self.made if isinstance(m, _Host)]
 
 
 # ---------------------------------------------------------------- the calls
@@ -349,7 +361,7 @@ def check_case(case_calls: list[Call], order: list[int], reference: str) -> dict
     through the CPU) or ``"accelerator"`` (the group serves no CPU). Returns counts for the report."""
     offload_shim.install()
     device = _reference_device(reference)
-    counts = {"calls": len(case_calls), "refused": 0}
+    counts = {"calls": len(case_calls), "refused": []}
     # Reference: each call alone, synchronously, on contiguous copies on the reference device, shim idle.
     reference_made, reference_results, refused = [], [], []
     previous = offload_shim.configure(always_stage=False)
@@ -376,7 +388,8 @@ def check_case(case_calls: list[Call], order: list[int], reference: str) -> dict
                     # it raises it.
                     staged_error = _error_of(lambda: _wait(_launch(call, make, call.async_op)[0]))
                     assert type(staged_error) is type(error), (call, error, staged_error)
-                    counts["refused"] += 1
+                    what = "/".join([call.op, call.dtype] + ([call.reduce] if call.op in REDUCING else []))
+                    counts["refused"].append(f"{what}: {type(error).__name__}")
                     works.append(None)
                     staged_results.append([])
                     continue
@@ -386,26 +399,30 @@ def check_case(case_calls: list[Call], order: list[int], reference: str) -> dict
             for index in order:
                 if works[index] is not None:
                     assert works[index].wait() is True
-        staged_any = any(e is None for e in refused)
-        if staged_any and any(m.tensors() for m, e in zip(staged_made, refused) if e is None):
+        if any(m.hosts() for m, e in zip(staged_made, refused) if e is None):
             assert devices, "nothing was staged"
     finally:
         offload_shim.configure(**dataclasses.asdict(previous))
     for call, error, want_made, got_made, want_results, got_results in zip(
         case_calls, refused, reference_made, staged_made, reference_results, staged_results
     ):
-        for host in got_made.made:
+        for host in got_made.hosts():
             assert host.tensor.data_ptr() == host.pointer, (call, "the caller's tensor moved")
             assert bool((host.base.reshape(-1)[host.outside] == _sentinel(1, host.base.dtype)).all()), (
                 call, "wrote outside the caller's view")
         if error is not None:  # refused: nothing written (where torch's own path may have written part)
-            for host in got_made.made:
+            for host in got_made.hosts():
                 assert same_bits(host.tensor, host.initial), (call, error, "the caller's tensor was written")
             continue
         for want, got in zip(want_made.tensors(), got_made.tensors()):
-            assert same_bits(got, want.cpu()), (call, got, want)
+            assert same_bits(got.cpu(), want.cpu()), (call, got, want)
         assert len(got_results) == len(want_results), call
-        for want, got in zip(want_results, got_results):
-            assert type(got) is torch.Tensor and got.device.type == "cpu", (call, type(got), got.device)
-            assert same_bits(got, want.cpu()), (call, got, want)
+        inputs = [t.device for t in got_made.tensors()]
+        for index, (want, got) in enumerate(zip(want_results, got_results)):
+            # A functional result comes back to its input's device (a coalesced call's i-th input, else the first).
+            home = inputs[index if len(got_results) > 1 else 0]
+            if home.type == "cpu":
+                assert type(got) is torch.Tensor, (call, type(got))
+            assert got.device == home, (call, got.device, home)
+            assert same_bits(_finish([got])[0].cpu(), want.cpu()), (call, got, want)
     return counts
