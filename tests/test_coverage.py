@@ -1,0 +1,78 @@
+"""README.md's tables of what is wrapped name every collective of the running torch, and what they call staged is
+wrapped: a torch that adds a collective fails here until the table (and the shim) say what happens to it."""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+import re
+
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
+
+import offload_shim
+
+README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+# Functions of distributed_c10d that take a group but move no tensor between ranks.
+NOT_COLLECTIVES = {
+    "destroy_process_group", "get_backend_config", "get_backend", "get_rank", "get_world_size", "new_subgroups",
+    "get_group_rank", "get_global_rank", "get_process_group_ranks", "shrink_group", "split_group",
+}
+
+
+def _takes_group(function) -> bool:
+    try:
+        return "group" in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def c10d_collectives() -> set[str]:
+    names = {n for n in c10d.__all__ if callable(getattr(c10d, n, None)) and not isinstance(getattr(c10d, n), type)}
+    return {n for n in names if (_takes_group(getattr(c10d, n)) or n == "batch_isend_irecv")} - NOT_COLLECTIVES
+
+
+def functional_collectives() -> set[str]:
+    return {
+        n for n, f in vars(funcol).items()
+        if not n.startswith("_") and inspect.isfunction(f) and f.__module__ == funcol.__name__ and _takes_group(f)
+    }
+
+
+def table_rows(heading: str) -> dict[str, str]:
+    """The rows of the README table whose first header cell is ``heading``: each backticked name of the first
+    column, mapped to the second column."""
+    start = README.index(f"| `{heading}` |")
+    rows = {}
+    for line in README[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        first, second = line.split("|")[1:3]
+        for name in re.findall(r"`([A-Za-z_]+)`", first):
+            rows[name] = second.strip()
+    return rows
+
+
+def test_every_c10d_collective_is_in_the_table():
+    rows = table_rows("torch.distributed")
+    assert sorted(c10d_collectives() - set(rows)) == []
+
+
+def test_every_functional_collective_is_in_the_table():
+    rows = table_rows("torch.distributed._functional_collectives")
+    listed = set(rows) | {n for n in functional_collectives() if n.endswith("_autograd")}  # "the _autograd forms"
+    assert sorted(functional_collectives() - listed) == []
+
+
+def test_what_the_table_calls_staged_is_wrapped():
+    offload_shim.install()
+    wrapped = offload_shim.wrapped_functions()
+    for name, what in table_rows("torch.distributed").items():
+        if what.startswith("staged") and hasattr(c10d, name):
+            assert f"{c10d.__name__}.{name}" in wrapped, name
+    staged_functional = [n for n, what in table_rows("torch.distributed._functional_collectives").items()
+                         if what.startswith("staged") and not n.endswith("_inplace")]
+    autograd_forms = [n for n in functional_collectives() if n.endswith("_autograd")]
+    for name in staged_functional + autograd_forms:
+        if hasattr(funcol, name):
+            assert f"{funcol.__name__}.{name}" in wrapped, name
