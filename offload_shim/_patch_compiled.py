@@ -156,15 +156,22 @@ def _staging_kernel(op):
         StagingError: the group serves no CPU and no staging device is usable; nothing was written.
     """
     original, schema, label, tensor_and_group = _original(op), op._schema, _label(op), _tensor_and_group(op)
+    names = [a.name for a in schema.arguments]
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    outs = {a.name for a in schema.arguments if a.kwarg_only and a.alias_info is not None}  # out=: written, not read
 
     def kernel(*args, **kwargs):
         tensor, group = tensor_and_group(args, kwargs)
         device = None if tensor is None or group is None else _devices.staging_device_for(tensor, group, label)
         if device is None:
             return original(*args, **kwargs)
-        staged_args = [_stage(value, device, fresh=False) for value in args]
-        staged_kwargs = {k: _stage(v, device, fresh=_is_out(schema, k)) for k, v in kwargs.items()}
+        staged = _staging.StagedArguments(device)
+
+        def stage(name, value):
+            return staged.stage(value, reads=name not in outs, writes=name in mutated)
+
+        staged_args = [stage(name, value) for name, value in zip(names, args)]
+        staged_kwargs = {name: stage(name, value) for name, value in kwargs.items()}
         with _staging.staged_call():
             result = _wait(op(*staged_args, **staged_kwargs))
         if not mutated:  # functional: a new tensor, or list of them, on the CPU
@@ -172,11 +179,8 @@ def _staging_kernel(op):
                 return _staging.to_caller(result, torch.device("cpu"))
             return [_staging.to_caller(r, torch.device("cpu")) for r in result]
         # In-place or out=: the caller's own tensor(s) receive the result and are returned, as the schema says.
-        caller = _argument(schema, mutated[0], args, kwargs)
-        staged = _argument(schema, mutated[0], staged_args, staged_kwargs)
-        for destination, source in zip(_as_list(caller), _as_list(staged)):
-            _copy_back(destination, source)
-        return caller
+        staged.copy_back()
+        return _argument(schema, mutated[0], args, kwargs)
 
     return kernel
 
@@ -203,26 +207,6 @@ def _refusing_kernel(op):
     return kernel
 
 
-def _is_out(schema, name) -> bool:
-    """A keyword-only mutated argument (``out=``): its contents are not read, so it is allocated, not copied."""
-    return any(a.name == name and a.kwarg_only and a.alias_info is not None for a in schema.arguments)
-
-
-def _stage(value, device, fresh):
-    if isinstance(value, torch.Tensor):
-        return torch.empty(value.shape, dtype=value.dtype, device=device) if fresh else _staging.to_staging(value, device)
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return [_stage(v, device, fresh) for v in value]
-    return value
-
-
-def _copy_back(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Write ``source`` into the caller's ``destination`` (same object, strides, storage), complete on return (a
-    blocking copy). An inference tensor takes writes only in inference mode, which torch's C++ kernel bypasses."""
-    with torch.inference_mode() if destination.is_inference() else torch.no_grad():
-        destination.copy_(source)
-
-
 def _wait(result):
     wait = torch.ops._c10d_functional.wait_tensor
     return wait(result) if isinstance(result, torch.Tensor) else [wait(r) for r in result]
@@ -231,7 +215,3 @@ def _wait(result):
 def _argument(schema, name, args, kwargs):
     index = [a.name for a in schema.arguments].index(name)
     return args[index] if index < len(args) else kwargs[name]
-
-
-def _as_list(value) -> list:
-    return [value] if isinstance(value, torch.Tensor) else list(value)

@@ -11,6 +11,19 @@ def gloo_ranks():
     pool.close()
 
 
+@pytest.fixture(scope="module")
+def accelerator_ranks():
+    """Two ranks, one accelerator each, of a group whose only backend is the accelerator's (NCCL on CUDA). Per
+    module: GPU test files that start torchrun or pools of their own run while none is alive."""
+    import torch
+    import torch.distributed as dist
+
+    backend = dist.Backend.default_device_backend_map[torch.accelerator.current_accelerator().type]
+    pool = RankPool(world_size=2, backend=backend, timeout=300)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(scope="session")
 def accelerator_only_ranks():
     """Two ranks of a group whose only backend serves ``cuda``, on a machine without CUDA: torch's own

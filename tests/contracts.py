@@ -22,9 +22,7 @@ only the host ones are staged, and every result lands on its own tensor's device
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import zlib
 
 import hypothesis.strategies as st
@@ -34,6 +32,7 @@ import torch.distributed._functional_collectives as funcol
 
 import offload_shim
 from bitwise import same_bits
+from observe import recording_staging
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "int32", "int64", "uint8", "bool"]
 REDUCE_OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"]
@@ -318,30 +317,6 @@ def _finish(results):
 # ---------------------------------------------------------------- the check
 
 
-class _Recorder(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.devices = []
-
-    def emit(self, record):
-        device = getattr(record, "offload_shim_device", None)
-        if device is not None:
-            self.devices.append(device)
-
-
-@contextlib.contextmanager
-def _recording():
-    logger = logging.getLogger("offload_shim")
-    recorder, level = _Recorder(), logger.level
-    logger.addHandler(recorder)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield recorder.devices
-    finally:
-        logger.removeHandler(recorder)
-        logger.setLevel(level)
-
-
 def _reference_device(reference: str) -> torch.device:
     if reference == "cpu":
         return torch.device("cpu")
@@ -379,7 +354,7 @@ def check_case(case_calls: list[Call], order: list[int], reference: str) -> dict
         offload_shim.configure(**staged_settings)
         # Staged: every call on the caller's CPU tensors; the asynchronous ones waited late, in the case's order.
         staged_made, works, staged_results = [], [], []
-        with _recording() as devices:
+        with recording_staging() as devices:
             for call, error in zip(case_calls, refused):
                 make = _Tensors(call, device, host=True)
                 staged_made.append(make)

@@ -14,7 +14,6 @@ for a device this process cannot use, and run for real (CPU and the other GPU) b
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 
 import pytest
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import wrapt
 
 import offload_shim
+from observe import configured
 from ranks import RankPool
 
 THIS_MODULE = sys.modules[__name__]
@@ -119,15 +119,6 @@ def function_all_reduce(tensor, group=None):
 
 
 # ---------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def configured(**settings):
-    previous = offload_shim.configure(**settings)
-    try:
-        yield
-    finally:
-        offload_shim.configure(**dataclasses.asdict(previous))
 
 
 @contextlib.contextmanager

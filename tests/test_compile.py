@@ -14,8 +14,6 @@ a 2-core machine, most of this file's CI budget.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import os
 import warnings
 
@@ -25,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import offload_shim
+from observe import configured, recording_staging
 from bitwise import same_bits
 from offload_shim import _patch_compiled
 
@@ -55,37 +54,18 @@ OP_CALLED = {  # the op Dynamo's graph calls for each
 }
 
 
-class StagingRecorder(logging.Handler):
-    """Records each staging decision offload_shim logs at DEBUG: (collective, device)."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        device = getattr(record, "offload_shim_device", None)
-        if device is not None:
-            self.records.append((record.offload_shim_collective, device))
-
-
 @contextlib.contextmanager
 def shim(**settings):
     """Both halves of the shim installed (eager wrappers and compiled kernels), ``settings`` configured, every
     staging decision recorded. After: settings, logger and the compiled kernels as they were (the rank pools are
     shared with other test files), Dynamo's caches emptied; the eager wrappers stay, as other files leave them."""
-    logger = logging.getLogger("offload_shim")
-    recorder, level, kernels_were_installed = StagingRecorder(), logger.level, _patch_compiled.is_installed()
+    kernels_were_installed = _patch_compiled.is_installed()
     offload_shim.install()
     _patch_compiled.install()
-    previous = offload_shim.configure(**settings)
-    logger.addHandler(recorder)
-    logger.setLevel(logging.DEBUG)
     try:
-        yield recorder.records
+        with configured(**settings), recording_staging(collectives=True) as records:
+            yield records
     finally:
-        logger.removeHandler(recorder)
-        logger.setLevel(level)
-        offload_shim.configure(**dataclasses.asdict(previous))
         if not kernels_were_installed:
             _patch_compiled.uninstall()
         torch._dynamo.reset()

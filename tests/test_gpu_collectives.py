@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 import offload_shim
 from bitwise import same_bits
-from ranks import RankPool
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,12 +19,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def accelerator_ranks():
-    backend = dist.Backend.default_device_backend_map[torch.accelerator.current_accelerator().type]
-    pool = RankPool(world_size=2, backend=backend, timeout=300)
-    yield pool
-    pool.close()
 
 
 def accelerator():

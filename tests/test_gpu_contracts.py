@@ -9,10 +9,8 @@ from __future__ import annotations
 import hypothesis
 import pytest
 import torch
-import torch.distributed as dist
 
 import contracts
-from ranks import RankPool
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,12 +20,6 @@ pytestmark = [
 EXAMPLES = 800
 
 
-@pytest.fixture(scope="module")
-def accelerator_ranks():
-    backend = dist.Backend.default_device_backend_map[torch.accelerator.current_accelerator().type]
-    pool = RankPool(world_size=2, backend=backend, timeout=300)
-    yield pool
-    pool.close()
 
 
 @hypothesis.seed(20261130)

@@ -7,8 +7,6 @@ Each check compares the staged call with the same call made without staging, bit
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 
 import hypothesis
 import hypothesis.strategies as st
@@ -19,44 +17,10 @@ import torch.distributed._functional_collectives as funcol
 
 import offload_shim
 from bitwise import same_bits
+from observe import configured, recording_staging
 from offload_shim import _pipeline
 
 # ---------------------------------------------------------------- helpers run inside the ranks
-
-
-class StagingRecorder(logging.Handler):
-    """Records each staging decision offload_shim logs (at DEBUG, on logger ``offload_shim``): its device."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.devices = []
-
-    def emit(self, record):
-        device = getattr(record, "offload_shim_device", None)
-        if device is not None:
-            self.devices.append(device)
-
-
-@contextlib.contextmanager
-def recording_staging():
-    logger = logging.getLogger("offload_shim")
-    recorder, level = StagingRecorder(), logger.level
-    logger.addHandler(recorder)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield recorder.devices
-    finally:
-        logger.removeHandler(recorder)
-        logger.setLevel(level)
-
-
-@contextlib.contextmanager
-def configured(**settings):
-    previous = offload_shim.configure(**settings)
-    try:
-        yield
-    finally:
-        offload_shim.configure(**dataclasses.asdict(previous))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,49 @@
+"""What the tests observe of offload_shim inside a rank: its staging decisions (logged at DEBUG on logger
+``offload_shim``, with the record attributes ``offload_shim_collective`` and ``offload_shim_device``), and settings
+changed for one block."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import offload_shim
+
+
+class StagingRecorder(logging.Handler):
+    """Records each staging decision: its device, or ``(collective, device)`` with ``collectives=True``."""
+
+    def __init__(self, collectives: bool = False):
+        super().__init__(logging.DEBUG)
+        self.collectives = collectives
+        self.records = []
+
+    def emit(self, record):
+        device = getattr(record, "offload_shim_device", None)
+        if device is not None:
+            self.records.append((record.offload_shim_collective, device) if self.collectives else device)
+
+
+@contextlib.contextmanager
+def recording_staging(collectives: bool = False):
+    """Yields the list that the staging decisions made inside the block are appended to."""
+    logger = logging.getLogger("offload_shim")
+    recorder, level = StagingRecorder(collectives), logger.level
+    logger.addHandler(recorder)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield recorder.records
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def configured(**settings):
+    """``offload_shim.configure(**settings)`` for the block; the settings as they were afterwards."""
+    previous = offload_shim.configure(**settings)
+    try:
+        yield
+    finally:
+        offload_shim.configure(**dataclasses.asdict(previous))
