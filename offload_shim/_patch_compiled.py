@@ -1,4 +1,5 @@
-"""Staging for compiled code: a ``CPU`` kernel for each ``torch.ops._c10d_functional`` collective.
+"""Staging below Python: a ``CPU`` kernel for each collective op of ``torch.ops._c10d_functional`` (compiled code)
+and ``torch.ops._dtensor`` (DTensor's Shard to Shard redistribution).
 
 Under ``torch.compile`` Dynamo rewrites ``torch.distributed.X`` and the functional collectives into the C++ ops
 ``torch.ops._c10d_functional.*`` (``all_reduce``, ``all_reduce_``, ``all_gather_into_tensor``, ...) before any
@@ -7,7 +8,9 @@ Python wrapper runs, so the wrapt wrappers of :mod:`offload_shim._patch_c10d` an
 ``CompositeExplicitAutograd`` kernels (``torch._C._dispatch_dump("_c10d_functional::all_reduce")``, torch 2.13),
 which serve every backend key, CPU included. A kernel registered for the ``CPU`` key takes precedence over
 them for CPU tensors, wherever the op is called from: a compiled graph (Dynamo with any backend, Inductor's
-generated code), or eager code that calls the op or a functional collective offload_shim does not wrap.
+generated code), or eager code that calls the op or a functional collective offload_shim does not wrap. DTensor's
+``torch.ops._dtensor.shard_dim_alltoall`` (Shard(i) to Shard(j) on an accelerator mesh, called eagerly with an
+offloaded DTensor's CPU local tensor) is registered the same way.
 
 The kernel decides with :func:`offload_shim._devices.staging_device_for`, like the eager wrappers:
 
@@ -40,22 +43,24 @@ import torch.distributed as dist
 
 from offload_shim import _devices, _staging
 
-NAMESPACE = "_c10d_functional"
+# The namespaces of collective ops with CompositeExplicitAutograd kernels only: the functional collectives, and
+# DTensor's Shard(i) to Shard(j) all-to-all (``torch.ops._dtensor.shard_dim_alltoall``, which DTensor redistribution
+# calls on an accelerator mesh whatever the local tensor's device, so an offloaded DTensor reaches it eagerly too).
+NAMESPACES = ("_c10d_functional", "_dtensor")
 POINT_TO_POINT = frozenset({"isend", "irecv", "batch_p2p_ops"})
 
 _log = logging.getLogger("offload_shim")
 _lock = threading.Lock()
-_library = None  # the torch.library.Library holding the registrations while installed
+_libraries: list = []  # the torch.library.Library objects holding the registrations while installed
 
 
 def install() -> None:
     """Register the ``CPU`` kernels (see the module docstring). Installing twice changes nothing; does nothing
     where ``torch.distributed`` is unavailable."""
-    global _library
     with _lock:
-        if _library is not None or not dist.is_available():
+        if _libraries or not dist.is_available():
             return
-        library = torch.library.Library(NAMESPACE, "IMPL")
+        libraries = {namespace: torch.library.Library(namespace, "IMPL") for namespace in NAMESPACES}
         try:
             for op in _collective_ops():
                 if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), torch._C.DispatchKey.CPU):
@@ -63,37 +68,37 @@ def install() -> None:
                     continue
                 kernel = _refusing_kernel(op) if op._opname in POINT_TO_POINT else _staging_kernel(op)
                 overload = op._schema.overload_name
-                library.impl(op._opname + (f".{overload}" if overload else ""), kernel, "CPU")
+                libraries[op._namespace].impl(op._opname + (f".{overload}" if overload else ""), kernel, "CPU")
         except BaseException:
-            library._destroy()  # nothing half-installed
+            for library in libraries.values():
+                library._destroy()  # nothing half-installed
             raise
-        _library = library
+        _libraries.extend(libraries.values())
 
 
 def uninstall() -> None:
     """Remove exactly the registrations :func:`install` made; torch's own kernels serve CPU tensors again.
     Removing twice changes nothing."""
-    global _library
     with _lock:
-        if _library is not None:
-            _library._destroy()
-            _library = None
+        for library in _libraries:
+            library._destroy()
+        _libraries.clear()
 
 
 def is_installed() -> bool:
     """Whether the ``CPU`` kernels are registered."""
-    return _library is not None
+    return bool(_libraries)
 
 
 def _collective_ops() -> list[torch._ops.OpOverload]:
-    """Every overload in the namespace that takes a process group (argument ``group_name``) and tensors."""
+    """Every overload in :data:`NAMESPACES` that takes a process group (argument ``group_name``) and tensors."""
     ops = []
     for qualified in sorted(torch._C._dispatch_get_all_op_names()):
         namespace, _, rest = qualified.partition("::")
-        if namespace != NAMESPACE:
+        if namespace not in NAMESPACES:
             continue
         name, _, overload = rest.partition(".")
-        op = getattr(getattr(torch.ops._c10d_functional, name), overload or "default")
+        op = getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
         arguments = op._schema.arguments
         if any(a.name == "group_name" for a in arguments) and any(_is_tensor_type(a.type) for a in arguments):
             ops.append(op)

@@ -342,3 +342,34 @@ def test_uninstall_restores_torch_error(accelerator_only_ranks):
         assert installed[0] == reinstalled[0] == "StagingError" and installed[2] and reinstalled[2]
         assert removed[0] == "RuntimeError" and "offload_shim" not in removed[1], removed
         assert removed[1] == "No backend type associated with device type cpu", removed
+
+
+# ---------------------------------------------------------------- DTensor's Shard to Shard all-to-all
+
+
+def check_shard_dim_alltoall(stage: bool):
+    """``torch.ops._dtensor.shard_dim_alltoall``, as DTensor redistribution calls it on an accelerator mesh with an
+    offloaded (CPU) local tensor: staged through the CPU, equal to the unstaged op; on a group without a CPU backend,
+    StagingError before anything is sent."""
+    import torch.distributed.tensor  # noqa: F401  (registers the op's fake kernel)
+
+    group_name = dist.group.WORLD.group_name
+    if not stage:
+        with shim():
+            return error_of(lambda tensor: torch.ops._dtensor.shard_dim_alltoall(tensor, 0, 1, group_name))
+    local = rank_input(3, (4, 6))
+    expected = torch.ops._dtensor.shard_dim_alltoall(local.clone(), 0, 1, group_name)
+    with shim(staging_device="cpu", always_stage=True) as records:
+        got = torch.ops._dtensor.shard_dim_alltoall(local, 0, 1, group_name)
+    assert records == [("torch.ops._dtensor.shard_dim_alltoall", "cpu")], records
+    assert type(got) is torch.Tensor and got.shape == (8, 3) and same_bits(got, expected)
+
+
+def test_dtensor_shard_dim_alltoall_staged(gloo_ranks):
+    gloo_ranks.run(check_shard_dim_alltoall, True)
+
+
+def test_dtensor_shard_dim_alltoall_without_cpu_backend_raises(accelerator_only_ranks):
+    for kind, message, unchanged in accelerator_only_ranks.run(check_shard_dim_alltoall, False):
+        assert kind == "StagingError" and unchanged, (kind, message)
+        assert message.startswith("offload_shim: torch.ops._dtensor.shard_dim_alltoall got a tensor on cpu")

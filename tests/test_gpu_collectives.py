@@ -121,6 +121,31 @@ def large_gather_memory(shard_mib: int):
     return peak
 
 
+def offloaded_dtensor_redistribute():
+    """An FSDP2 CPU-offloaded parameter (a DTensor with a pinned CPU local tensor on a GPU mesh) redistributed from
+    Shard(0) to Shard(1): DTensor calls torch.ops._dtensor.shard_dim_alltoall, staged by its CPU kernel."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    offload_shim.install()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4, bias=False)
+    full = model.weight.detach().clone()
+    mesh = init_device_mesh(accelerator().type, (2,))
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+    weight = model.weight
+    assert weight.to_local().device.type == "cpu"
+    moved = weight.redistribute(placements=[Shard(1)])
+    local = moved.to_local()
+    rank = dist.get_rank()
+    assert local.device.type == "cpu" and same_bits(local, full[:, rank * 3 : (rank + 1) * 3].contiguous())
+
+
+def test_offloaded_dtensor_shard_to_shard(accelerator_ranks):
+    accelerator_ranks.run(offloaded_dtensor_redistribute)
+
+
 def test_mixed_devices(accelerator_ranks):
     accelerator_ranks.run(mixed_devices)
 
