@@ -76,7 +76,12 @@ def test_every_spelling_wrapped_and_restored():
         import torch.distributed.tensor._collective_utils as collective_utils
         from torch.distributed.tensor import DTensor
 
-        originals = {name: getattr(c10d, name) for name in ("all_reduce", "broadcast")}
+        import offload_shim  # installs; uninstalled at once, so that what follows is bound before the shim
+        offload_shim.uninstall()
+        from offload_shim import _patch_c10d, _patch_c10d_lists, _patch_p2p
+        names = [t.name for t in (*_patch_c10d.TARGETS, *_patch_c10d_lists.TARGETS, *_patch_p2p.TARGETS)]
+        originals = {name: getattr(c10d, name) for name in names if hasattr(c10d, name)}
+        assert len(originals) >= 20, sorted(originals)
         funcol_originals = {name: vars(funcol)[name] for name in ("all_reduce", "all_gather_single", "reduce_scatter_single")}
         full_tensor = vars(DTensor)["full_tensor"]
         assert collective_utils.broadcast is originals["broadcast"]  # bound by name before the shim
@@ -85,7 +90,8 @@ def test_every_spelling_wrapped_and_restored():
         exec("from torch.distributed import all_reduce", early.__dict__)
         sys.modules[early.__name__] = early
 
-        import offload_shim, wrapt
+        import wrapt
+        offload_shim.install()
         wrappers = offload_shim.wrapped_functions()
         for name in originals:
             wrapper = wrappers["torch.distributed.distributed_c10d." + name]
