@@ -8,8 +8,8 @@ back to where the caller expects it, with the same semantics and the same bits.
 
 Importing this package installs the wrappers, unless ``OFFLOAD_SHIM`` is false (see ``offload_shim._config``
 for every environment variable). Public API: :func:`install`, :func:`uninstall`, :func:`is_installed`,
-:func:`configure`, :func:`settings`, :func:`wrapped_functions`, :func:`release_buffers`, :class:`StagingError`,
-:class:`ConfigError`.
+:func:`configure`, :func:`settings`, :func:`wrapped_functions`, :func:`release_buffers`,
+:func:`register_communicator`, :class:`StagingError`, :class:`ConfigError`.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def _targets():
 
 
 def install() -> None:
-    """Install the wrappers: ``torch.distributed.all_reduce`` and ``broadcast`` now (under every name that
-    holds them), the functional collectives and ``DTensor.full_tensor`` now or when torch first imports their
-    module. Installing twice changes nothing. Does nothing where ``torch.distributed`` is unavailable."""
+    """Install the wrappers: the ``torch.distributed`` collectives now (under every name that holds them), the
+    functional collectives and ``DTensor.full_tensor`` now or when torch first imports their module, the ``CPU``
+    kernels of the collective ops compiled code runs, and registered communicators. Installing twice changes
+    nothing. Does nothing where ``torch.distributed`` is unavailable."""
     import torch.distributed
 
     if not torch.distributed.is_available():

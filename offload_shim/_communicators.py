@@ -18,7 +18,6 @@ on the communicator's device (or is not a tensor) run untouched: no copy, no syn
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -252,8 +251,7 @@ def _copy_back(entries: list[_Staged], device: torch.device) -> None:
     """Write each staged tensor into the caller's own (same object, strides, storage), complete on return."""
     with torch.no_grad():
         for entry in entries:
-            # An inference tensor takes writes only in inference mode.
-            with torch.inference_mode() if entry.caller.is_inference() else contextlib.nullcontext():
+            with _staging.writable(entry.caller):
                 entry.caller.copy_(entry.copy, non_blocking=_staging._is_pinned(entry.caller))
     # A copy runs on the source's current stream; one into a strided tensor of another GPU ends on that GPU's.
     for each in {device, *(e.caller.device for e in entries)}:

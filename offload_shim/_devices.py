@@ -206,8 +206,23 @@ def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) 
     return staging_device_for(host, group, collective)
 
 
-def _staging_through(device: torch.device, tensor: torch.Tensor, group, collective: str) -> torch.device:
-    """``device``, the decision to stage ``tensor`` for ``collective`` through it, logged at DEBUG."""
+def _staging_through(device: torch.device, tensor: torch.Tensor, group, collective: str) -> torch.device | None:
+    """``device``, the decision to stage ``tensor`` for ``collective`` through it, logged at DEBUG; ``None`` (or
+    :class:`StagingError` where the group serves no CPU) inside torch's ``_coalescing_manager`` on ``group``."""
+    if group in getattr(dist.distributed_c10d._world, "pg_coalesce_state", {}):
+        # torch only records the collective there, to run it at the block's end: a staged copy would be copied
+        # back before it held the result.
+        served = served_device_types(group)
+        if "cpu" in served:
+            return None
+        raise StagingError(
+            f"offload_shim: {collective} got a tensor on {tensor.device} ({tuple(tensor.shape)}, {tensor.dtype}) "
+            f"inside torch.distributed's _coalescing_manager on process group {group_label(group)} with backend "
+            f"{backend_description(group)!r} (device types {sorted(served)}); offload_shim cannot stage calls that "
+            f"torch defers to the end of the block. Ways out: move the tensors to the accelerator before the block; "
+            f"or make the calls outside the coalescing manager; or give the group a CPU backend, e.g. "
+            f"init_process_group({_with_cpu_backend(group, served)!r}). The tensor was not modified."
+        )
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "offload_shim: staging %s of a cpu tensor %s %s through %s (group %s, backend %r)",

@@ -202,8 +202,10 @@ def _refusing_kernel(op):
             raise _devices.StagingError(
                 f"offload_shim: {label} got a tensor on cpu ({tuple(tensor.shape)}, {tensor.dtype}), but process "
                 f"group {_devices.group_label(group)} with backend {_devices.backend_description(group)!r} serves "
-                f"device types {sorted(served)} only, and offload_shim does not stage point-to-point operations in "
-                f"compiled code. Ways out: move the tensor to the accelerator before the call; or give the group a "
+                f"device types {sorted(served)} only, and offload_shim does not stage the point-to-point ops of "
+                f"torch.ops._c10d_functional (what compiled code, and funcol's isend_inplace/irecv_inplace, call). "
+                f"Ways out: use torch.distributed.isend/irecv/batch_isend_irecv outside compiled code, which are "
+                f"staged; or move the tensor to the accelerator before the call; or give the group a "
                 f"CPU backend, e.g. init_process_group({_devices._with_cpu_backend(group, served)!r}). "
                 f"The tensor was not modified."
             )

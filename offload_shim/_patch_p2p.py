@@ -5,8 +5,8 @@ A host tensor is staged whole on each side, independently: a sender copies its t
 receiver receives into fresh accelerator memory and copies the result into its own tensor object (a CPU
 ``Parameter``'s ``.data`` included). Whether one side stages never changes what the other side does, so a CPU
 sender may talk to a GPU receiver. ``isend``, ``irecv`` and ``batch_isend_irecv`` return work handles that finish
-the copy back in ``wait()``; the handles of one batch are one handle, which waits for the whole batch before it
-copies.
+the copy back in ``wait()``. Where the backend returns one work per operation (Gloo), each handle finishes its own
+receive; where it returns one for the batch (NCCL), that one handle waits the batch and copies every receive back.
 """
 
 from __future__ import annotations
@@ -23,37 +23,48 @@ POINT_TO_POINT = {"send": READ, "isend": READ, "recv": WRITE, "irecv": WRITE}
 def _batch_wrapper(original):
     def wrapper(wrapped, instance, args, kwargs):
         operations = args[0] if args else kwargs.get("p2p_op_list")
-        if not isinstance(operations, list) or not operations:
-            return wrapped(*args, **kwargs)
+        if not isinstance(operations, list) or not operations or not all(isinstance(o, dist.P2POp) for o in operations):
+            return wrapped(*args, **kwargs)  # torch raises its own error
+        operations = [_current(operation) for operation in operations]
         tensors = [getattr(operation, "tensor", None) for operation in operations]
-        if not any(_staging.needs_staging(t) for t in tensors):
-            return wrapped(*args, **kwargs)
         group = _devices.resolve_c10d_group(getattr(operations[0], "group", None))
-        if group is None:
-            return wrapped(*args, **kwargs)
-        device = _devices.staging_device_for_call(tensors, group, "torch.distributed.batch_isend_irecv")
+        device = None
+        if group is not None and any(_staging.needs_staging(t) for t in tensors):
+            device = _devices.staging_device_for_call(tensors, group, "torch.distributed.batch_isend_irecv")
         if device is None:
-            return wrapped(*args, **kwargs)
-        staged = _staging.StagedArguments(device)
-        staged_operations = []
-        for operation in operations:
-            sends = getattr(operation.op, "__name__", "") == "isend"
-            copy = object.__new__(type(operation))
-            copy.__dict__.update(vars(operation))
-            # torch tells sends from receives by identity with its module's isend: bind the one in force now.
-            copy.op = dist.distributed_c10d.isend if sends else dist.distributed_c10d.irecv
-            copy.tensor = staged.stage(operation.tensor, reads=sends, writes=not sends)
-            staged_operations.append(copy)
+            return wrapped(operations)
+        staged = [_staging.StagedArguments(device) for _ in operations]
+        for operation, arguments in zip(operations, staged):
+            sends = operation.op is dist.distributed_c10d.isend
+            operation.tensor = arguments.stage(operation.tensor, reads=sends, writes=not sends)
         with _staging.staged_call():
-            works = wrapped(staged_operations)
+            works = wrapped(operations)
+        if len(works) == len(operations):  # one work per operation (Gloo): each handle finishes its own receive
+            return [_staging.StagedWork([w], a.copy_back, a.callers()) for w, a in zip(works, staged)]
+
+        def copy_back():
+            for arguments in staged:
+                arguments.copy_back()
+
         if not works:  # nothing to wait for
-            staged.copy_back()
+            copy_back()
             return works
-        # One handle for the whole batch, at every position: waiting any of them waits every operation once
-        # and copies every receive back (NCCL's own coalesced batch returns one work).
-        return [_staging.StagedWork(works, staged.copy_back, staged.callers())] * len(works)
+        # One work for the batch (NCCL coalesces it): one handle, at every position, that waits the batch once and
+        # copies every receive back.
+        return [_staging.StagedWork(works, copy_back, [t for a in staged for t in a.callers()])] * len(works)
 
     return wrapper
+
+
+def _current(operation):
+    """A copy of P2POp ``operation`` whose ``op`` is torch's ``isend`` or ``irecv`` as bound now: torch tells sends
+    from receives by identity with its module's ``isend``, which install and uninstall rebind, so a P2POp made
+    before either would be taken for a receive."""
+    sends = getattr(operation.op, "__name__", "") == "isend"
+    copy = object.__new__(type(operation))
+    copy.__dict__.update(vars(operation))
+    copy.op = dist.distributed_c10d.isend if sends else dist.distributed_c10d.irecv
+    return copy
 
 
 TARGETS = [

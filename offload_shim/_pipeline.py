@@ -184,8 +184,9 @@ def stage_in_place(
         event.synchronize()
         destination.copy_(source)
 
-    # Outside autograd, like the in-place collective it completes (the caller's tensor may require grad).
-    with pool.lock, _staging.staged_call(), torch.no_grad():
+    # Outside autograd, like the in-place collective it completes (the caller's tensor may require grad); an
+    # inference tensor is written in inference mode, as torch's C++ collectives write it.
+    with pool.lock, _staging.staged_call(), torch.no_grad(), _staging.writable(tensor):
         pool.h2d.wait_stream(_current_stream(device))
         for index, start in enumerate(range(0, flat.numel(), per_chunk)):
             s = index % len(pool.slots)
@@ -234,7 +235,7 @@ def stage_in_place(
     def finish() -> None:
         done.synchronize()
         if private is not None:
-            with torch.no_grad():
+            with torch.no_grad(), _staging.writable(tensor):
                 flat.copy_(private)
 
     return _staging.StagedWork(works, finish, [tensor], done)

@@ -79,7 +79,7 @@ def to_caller(staged: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-def _writable(destination: torch.Tensor):
+def writable(destination: torch.Tensor):
     """Where an in-place copy into the caller's ``destination`` is allowed: an inference tensor (made under
     ``torch.inference_mode()``, as rollouts and eval metrics are) takes writes only inside inference mode, which
     torch's own collectives bypass in C++."""
@@ -136,7 +136,7 @@ class StagedArguments:
                 return
             with torch.no_grad():
                 for caller, staged in self._written:
-                    with _writable(caller):
+                    with writable(caller):
                         caller.copy_(staged, non_blocking=_is_pinned(caller))
             _finish_on(self.device)
             self._copied = True

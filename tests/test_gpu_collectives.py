@@ -146,6 +146,32 @@ def test_offloaded_dtensor_shard_to_shard(accelerator_ranks):
     accelerator_ranks.run(offloaded_dtensor_redistribute)
 
 
+def coalescing_manager_refused():
+    """Inside torch's _coalescing_manager a collective is only recorded, to run at the block's end: a CPU tensor
+    on a NCCL-only group is refused with StagingError, nothing written; the same block on GPU tensors runs."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    offload_shim.install()
+    rank = dist.get_rank()
+    tensor = torch.full((2,), rank + 1.0)
+    try:
+        with pytest.raises(offload_shim.StagingError, match="inside torch.distributed's _coalescing_manager"):
+            with _coalescing_manager():
+                dist.all_reduce(tensor)
+    finally:  # an exception inside the block leaves torch's coalescing state behind
+        dist.distributed_c10d._world.pg_coalesce_state.pop(dist.group.WORLD, None)
+    assert tensor.tolist() == [rank + 1.0] * 2
+    on_gpu = tensor.to(accelerator())
+    with _coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(on_gpu)
+    cm.wait()
+    assert on_gpu.tolist() == [3.0, 3.0]
+
+
+def test_coalescing_manager_refused(accelerator_ranks):
+    accelerator_ranks.run(coalescing_manager_refused)
+
+
 def test_mixed_devices(accelerator_ranks):
     accelerator_ranks.run(mixed_devices)
 

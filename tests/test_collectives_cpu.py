@@ -1,0 +1,169 @@
+"""The collectives beyond all_reduce and broadcast, staged for real on CPU ranks (``configure(staging_device="cpu",
+always_stage=True)``): the field cases' calls as their reports spell them, and inputs found by trying to break them.
+The property tests of tests/test_contracts_cpu.py cover values over dtypes, shapes and layouts; these cover
+spellings, lifetimes and the places where torch defers or reorders work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
+
+import offload_shim
+from bitwise import same_bits
+from observe import configured, recording_staging
+
+
+def staging():
+    offload_shim.install()
+    return configured(staging_device="cpu", always_stage=True)
+
+
+def field_cases():
+    """Cases 20, 21, 25 and 29 as their reports call them (positional group and dst, a CPU Parameter's .data)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with staging(), recording_staging() as devices:
+        inp = torch.tensor(100 + rank)[None]
+        out = torch.empty(world, dtype=torch.int64)
+        dist.all_gather_into_tensor(out, inp)
+        assert out.tolist() == [100 + r for r in range(world)]
+        local = torch.arange(3 + 2 * rank, dtype=torch.float32)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor(local.shape))
+        assert [int(s) for s in sizes] == [3 + 2 * r for r in range(world)]
+        emb = torch.nn.Embedding(4, 6).half()
+        if rank == 0:
+            dist.send((torch.arange(24.0).view(4, 6) + 1).half(), 1)
+        else:
+            dist.recv(emb.weight.data, 0)
+            assert torch.equal(emb.weight.data, (torch.arange(24.0).view(4, 6) + 1).half())
+            assert emb.weight.requires_grad and emb.weight.is_leaf
+        dp = dist.new_group(list(range(world)))
+        received = [torch.zeros(5) for _ in range(world)] if rank == 0 else None
+        dist.gather(torch.full((5,), float(rank)), received, 0, dp)
+        if rank == 0:
+            assert all(torch.equal(t, torch.full((5,), float(r))) for r, t in enumerate(received))
+        back = torch.empty(5)
+        dist.scatter(back, [t * 2 for t in received] if rank == 0 else None, 0, dp)
+        assert torch.equal(back, torch.full((5,), 2.0 * rank))
+    assert devices and set(devices) == {"cpu"}
+
+
+def coalescing_manager(served: bool):
+    """torch's _coalescing_manager only records a collective, to run it at the block's end: on a group that serves
+    CPU the call is left to torch (right values); where the group serves no CPU, StagingError, nothing written (on
+    this machine for want of an accelerator; tests/test_gpu_collectives.py checks the coalescing refusal)."""
+    offload_shim.install()
+    rank = dist.get_rank()
+    tensor = torch.full((2,), rank + 1.0)
+    if served:
+        with configured(staging_device="cpu", always_stage=True), recording_staging() as devices:
+            with _coalescing_manager(async_ops=True) as cm:
+                dist.all_reduce(tensor)
+            cm.wait()
+        assert devices == [] and tensor.tolist() == [3.0, 3.0]
+        return None
+    try:
+        with pytest.raises(offload_shim.StagingError) as info:
+            with _coalescing_manager():
+                dist.all_reduce(tensor)
+    finally:  # an exception inside the block leaves torch's coalescing state behind; these ranks serve other tests
+        dist.distributed_c10d._world.pg_coalesce_state.pop(dist.group.WORLD, None)
+    assert tensor.tolist() == [rank + 1.0] * 2
+    return str(info.value)
+
+
+def inference_tensors(chunk_bytes: int):
+    """Tensors made under torch.inference_mode(), staged outside it, whole and chunked: written as torch writes
+    them."""
+    rank = dist.get_rank()
+    with torch.inference_mode():
+        reduced = torch.full((33,), rank + 1.0)
+        broadcast = torch.full((33,), rank + 1.0)
+        gathered = [torch.zeros(3) for _ in range(2)]
+    with staging(), configured(chunk_bytes=chunk_bytes):
+        dist.all_reduce(reduced)
+        dist.broadcast(broadcast, src=0)
+        dist.all_gather(gathered, torch.full((3,), float(rank)))
+    assert reduced.tolist() == [3.0] * 33 and broadcast.tolist() == [1.0] * 33
+    assert [g.tolist() for g in gathered] == [[0.0] * 3, [1.0] * 3]
+
+
+def p2p_ops_made_before_install():
+    """P2POps made while the shim was not installed: torch tells sends from receives by identity with its module's
+    isend, which install rebinds."""
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    offload_shim.uninstall()
+    received = torch.zeros(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), rank + 1.0), peer), dist.P2POp(dist.irecv, received, peer)]
+    offload_shim.install()
+    for stage in (False, True):
+        with configured(staging_device="cpu", always_stage=stage):
+            received.zero_()
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        assert received.tolist() == [peer + 1.0] * 2, stage
+
+
+def batch_handles_wait_their_own_operation():
+    """Gloo returns one work per operation: waiting the send's handle must not wait for the receive (rank 1 sends
+    only after it got a later message)."""
+    rank = dist.get_rank()
+    a, b, c = torch.full((4,), 1.0), torch.zeros(4), torch.full((4,), 3.0)
+    with staging():
+        if rank == 0:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, a, 1), dist.P2POp(dist.irecv, b, 1)])
+            works[0].wait()
+            dist.send(c, 1)
+            assert works[1].wait() is True and works[1].wait() is True  # waited twice: no second receive
+            assert b.tolist() == [4.0] * 4
+        else:
+            dist.recv(a, 0)
+            dist.recv(c, 0)
+            dist.send(a + c, 0)
+
+
+def async_list_collectives_waited_late():
+    """async_op=True on list collectives: the caller's outputs hold the result once the handle is waited, in any
+    order, and a handle waited twice changes nothing."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with staging():
+        gathered = [torch.zeros(2) for _ in range(world)]
+        first = dist.all_gather(gathered, torch.full((2,), float(rank)), async_op=True)
+        out = torch.zeros(2)
+        second = dist.reduce_scatter_tensor(out, torch.arange(4.0) + rank, async_op=True)
+        assert second.wait() is True and first.wait() is True and first.wait() is True
+        assert [g.tolist() for g in gathered] == [[0.0, 0.0], [1.0, 1.0]]
+        assert same_bits(out, (torch.arange(4.0) * 2 + 1)[2 * rank : 2 * rank + 2])
+
+
+def test_field_cases(gloo_ranks):
+    gloo_ranks.run(field_cases)
+
+
+def test_coalescing_manager_on_a_group_that_serves_cpu(gloo_ranks):
+    gloo_ranks.run(coalescing_manager, True)
+
+
+def test_coalescing_manager_without_cpu_backend_raises(accelerator_only_ranks):
+    for message in accelerator_only_ranks.run(coalescing_manager, False):
+        assert message.startswith("offload_shim: torch.distributed.all_reduce got a tensor on cpu")
+        assert "The tensor was not modified" in message
+
+
+@pytest.mark.parametrize("chunk_bytes", [16, 16 << 20], ids=["pipelined", "whole"])
+def test_inference_tensors(gloo_ranks, chunk_bytes):
+    gloo_ranks.run(inference_tensors, chunk_bytes)
+
+
+def test_p2p_ops_made_before_install(gloo_ranks):
+    gloo_ranks.run(p2p_ops_made_before_install)
+
+
+def test_batch_handles_wait_their_own_operation(gloo_ranks):
+    gloo_ranks.run(batch_handles_wait_their_own_operation)
+
+
+def test_async_list_collectives_waited_late(gloo_ranks):
+    gloo_ranks.run(async_list_collectives_waited_late)
