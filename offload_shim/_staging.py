@@ -143,10 +143,19 @@ class StagedArguments:
 
     def complete(self, result):
         """Finish the call that returned ``result``: a work handle (``async_op=True``, ``isend``, ``irecv``)
-        becomes a :class:`StagedWork` that copies back when waited; anything else is returned after the copy
-        back."""
+        becomes a :class:`StagedWork` that copies back when waited; a future (``all_reduce_coalesced`` with
+        ``async_op=True`` returns one) becomes one that copies back when it completes and gives the caller's tensors;
+        anything else is returned after the copy back."""
         if isinstance(result, dist.Work):
             return StagedWork([result], self.copy_back, self.callers())
+        if isinstance(result, torch._C.Future):  # torch.futures.Future subclasses it; c10d returns the base
+
+            def finished(future: torch.futures.Future) -> list[torch.Tensor]:
+                future.value()  # re-raises the collective's error
+                self.copy_back()
+                return self.callers()
+
+            return result.then(finished)
         self.copy_back()
         return result
 

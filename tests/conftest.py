@@ -1,5 +1,6 @@
 import pytest
 
+from contracts import NOT_IN_CONTRACT
 from ranks import RankPool
 
 
@@ -64,6 +65,7 @@ class ContractTally:
             f"calls by collective: {by_op}",
             "refused (collective/dtype/reduce op: error, count): "
             + ", ".join(f"{what} {n}" for what, n in sorted(self.refused.items())),
+            "not called by the cases: " + "; ".join(f"{what} ({why})" for what, why in NOT_IN_CONTRACT.items()),
         ]
 
 

@@ -17,7 +17,7 @@ pytestmark = [
     pytest.mark.skipif(torch.accelerator.device_count() < 2, reason="needs two accelerators"),
 ]
 
-EXAMPLES = 800
+EXAMPLES = 2000
 
 
 
