@@ -29,22 +29,56 @@ def test_entry_point_is_registered():
     assert values == ["offload_shim_boot:autoload"], "install the package (pip install -e .) to register it"
 
 
-@pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
-def test_true_value_activates_at_import_torch(value):
-    out = python(IMPORT_TORCH, REPORT, env={"OFFLOAD_SHIM": value})
+# Each spelling of a value: one through the whole path (a fresh interpreter's `import torch`), the others through
+# the function that path ends in (offload_shim._startup.activate_on_import for a set value, offload_shim_boot.autoload
+# for an empty one) in the same interpreter; a fresh interpreter per spelling cost CI half a minute.
+SPELLINGS = """
+import os, offload_shim_boot
+def each(values, activate):
+    for value in values:
+        os.environ["OFFLOAD_SHIM"] = value
+        activate()
+        yield value
+"""
+
+
+def test_true_value_activates_at_import_torch():
+    out = python(
+        IMPORT_TORCH, REPORT, SPELLINGS,
+        """
+        import offload_shim
+        from offload_shim import _startup
+        offload_shim.uninstall()
+        for value in each(["true", "YES", " on "], _startup.activate_on_import):
+            assert offload_shim.is_installed(), value
+            offload_shim.uninstall()
+        """,
+        env={"OFFLOAD_SHIM": "1"},
+    )
     assert last_line(out) == ALL_WRAPPED
 
 
-@pytest.mark.parametrize("value", [None, "", "  "])
-def test_unset_does_nothing_at_all(value):
-    env = {} if value is None else {"OFFLOAD_SHIM": value}
-    out = python(IMPORT_TORCH, REPORT, "print('offload_shim' in sys.modules)", env=env)
+def test_unset_does_nothing_at_all():
+    out = python(
+        IMPORT_TORCH, REPORT, "print('offload_shim' in sys.modules)", SPELLINGS,
+        """
+        for value in each(["", "  "], offload_shim_boot.autoload):
+            assert "offload_shim" not in sys.modules, repr(value)
+        """,
+    )
     assert out.stdout.strip().splitlines()[-2:] == [NONE_WRAPPED, "False"]
 
 
-@pytest.mark.parametrize("value", ["0", "false", "No", "OFF"])
-def test_false_value_installs_nothing(value):
-    out = python(IMPORT_TORCH, REPORT, "import offload_shim; print(offload_shim.is_installed())", env={"OFFLOAD_SHIM": value})
+def test_false_value_installs_nothing():
+    out = python(
+        IMPORT_TORCH, REPORT, "import offload_shim; print(offload_shim.is_installed())", SPELLINGS,
+        """
+        from offload_shim import _startup
+        for value in each(["false", "No", "OFF"], _startup.activate_on_import):
+            assert not offload_shim.is_installed(), value
+        """,
+        env={"OFFLOAD_SHIM": "0"},
+    )
     assert out.stdout.strip().splitlines()[-2:] == [NONE_WRAPPED, "False"]
 
 
