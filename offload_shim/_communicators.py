@@ -227,7 +227,8 @@ def _call(spec: _Spec, parameters, wrapped, instance, args, kwargs):
     with torch.no_grad():
         for entry in staged.values():
             t = entry.caller
-            entry.copy = _staging.to_staging(t, device) if entry.read else torch.empty(t.shape, dtype=t.dtype, device=device)
+            entry.copy = _staging.to_staging(t, device) if entry.read else torch.empty(
+                t.shape, dtype=t.dtype, device=device, memory_format=_staging.staging_format(t))
     for name, entry in names:
         args, kwargs = parameters.replace(args, kwargs, name, entry.copy)
     _staging._finish_on(device)  # the copies are complete, whatever stream the method uses
@@ -252,7 +253,7 @@ def _copy_back(entries: list[_Staged], device: torch.device) -> None:
     with torch.no_grad():
         for entry in entries:
             with _staging.writable(entry.caller):
-                entry.caller.copy_(entry.copy, non_blocking=_staging._is_pinned(entry.caller))
+                entry.caller.data.copy_(entry.copy, non_blocking=_staging._is_pinned(entry.caller))
     # A copy runs on the source's current stream; one into a strided tensor of another GPU ends on that GPU's.
     for each in {device, *(e.caller.device for e in entries)}:
         _staging._finish_on(each)

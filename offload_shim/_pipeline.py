@@ -170,7 +170,7 @@ def stage_in_place(
         ``None`` once ``tensor`` holds the result, or the work handle.
     """
     pool = _pool(device, group, _config.settings().chunk_bytes)
-    flat = tensor.view(-1)
+    flat = tensor.data.view(-1)  # written without bumping the caller's version counter, as torch's C++ writes
     itemsize = flat.element_size()
     per_chunk = max(1, pool.chunk_bytes // itemsize)
     pinned = _staging._is_pinned(tensor)

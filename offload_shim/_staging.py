@@ -56,17 +56,30 @@ def _finish_on(device: torch.device) -> None:
         torch.accelerator.current_stream(device).synchronize()
 
 
+def staging_format(tensor: torch.Tensor) -> torch.memory_format:
+    """The memory format of ``tensor``'s staged copy: ``channels_last`` (``_3d``) where the tensor is dense in it,
+    else contiguous. Backends take such tensors as they are (NCCL checks ``is_contiguous(suggest_memory_format())``)
+    and move their memory in that order, so a staged call does what the call on an accelerator copy (``.to()``
+    keeps the format) does; any other layout becomes contiguous, which is all NCCL takes."""
+    if not tensor.is_contiguous():
+        for memory_format, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+            if tensor.dim() == ndim and tensor.is_contiguous(memory_format=memory_format):
+                return memory_format
+    return torch.contiguous_format
+
+
 def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A contiguous copy of host ``tensor`` on ``device`` (same shape and dtype, new storage): backends such as
-    NCCL take contiguous tensors only, whatever the caller's strides.
+    """A dense copy of host ``tensor`` on ``device`` (same shape and dtype, new storage, :func:`staging_format`):
+    backends such as NCCL take dense tensors only, whatever the caller's strides.
 
     Differentiable (``Tensor.to``), so functional collectives keep their autograd graph.
     """
+    memory_format = staging_format(tensor)
     if device.type == "cpu":
-        return tensor.clone(memory_format=torch.contiguous_format)
+        return tensor.clone(memory_format=memory_format)
     # Pinned: an asynchronous DMA. Pageable: the runtime's own staged copy, measured faster than a copy into
     # pinned memory first (see _pipeline.PAGEABLE_PATH).
-    return tensor.to(device, non_blocking=True, memory_format=torch.contiguous_format)
+    return tensor.to(device, non_blocking=True, memory_format=memory_format)
 
 
 def to_caller(staged: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -118,7 +131,8 @@ class StagedArguments:
             if reads:
                 staged = to_staging(value, self.device)
             else:
-                staged = torch.empty(value.shape, dtype=value.dtype, device=self.device)
+                staged = torch.empty(value.shape, dtype=value.dtype, device=self.device,
+                                     memory_format=staging_format(value))
         if writes:
             self._written.append((value, staged))
         return staged
@@ -130,14 +144,16 @@ class StagedArguments:
     def copy_back(self) -> None:
         """Write each staged result into the caller's tensor (same object, strides and storage), complete when
         this returns: all D2H copies are queued, then waited for once. Only the first call copies (several work
-        handles of one ``batch_isend_irecv`` share one copy back)."""
+        handles of one ``batch_isend_irecv`` share one copy back). Written through ``.data``, so the caller's
+        version counter stays as it was: torch's collectives write from C++ without bumping it, and a tensor
+        autograd saved for backward stays usable."""
         with self._lock:
             if self._copied:
                 return
             with torch.no_grad():
                 for caller, staged in self._written:
                     with writable(caller):
-                        caller.copy_(staged, non_blocking=_is_pinned(caller))
+                        caller.data.copy_(staged, non_blocking=_is_pinned(caller))
             _finish_on(self.device)
             self._copied = True
 

@@ -199,6 +199,10 @@ class _Tensors:
             made = _host(values, layout)
             self.made.append(made)
             return made.tensor
+        # What a user would write by hand: .to() keeps a dense channels_last layout (the backend then moves memory
+        # in that order); any other layout is made contiguous, which is all NCCL takes.
+        if self.call.layout == "channels_last" and len(shape) == 4:
+            values = values.contiguous(memory_format=torch.channels_last)
         tensor = values.to(self.device)
         self.made.append(tensor)
         return tensor
