@@ -10,7 +10,7 @@ import pytest
 import contracts
 from ranks import RankPool
 
-EXAMPLES = {2: 1400, 3: 600}  # a 3-rank case costs about twice a 2-rank one  # per test; the report at the end of the run gives the total
+EXAMPLES = {2: 1700, 3: 300}  # per test (a 3-rank case costs about twice a 2-rank one); the run reports the total
 
 
 @pytest.fixture(scope="module")
