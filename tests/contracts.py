@@ -189,8 +189,12 @@ class _Tensors:
     def __call__(self, shape, key) -> torch.Tensor:
         values = _values(tuple(shape), self.dtype, (self.call.seed, dist.get_rank(), key))
         index = len(self.made)
+        # On the accelerator as a user would put it there by hand: .to() keeps a dense channels_last layout (the
+        # backend then moves memory in that order); any other layout is made contiguous, which is all NCCL takes.
+        on_device = values.contiguous(memory_format=torch.channels_last) if (
+            self.call.layout == "channels_last" and len(shape) == 4) else values
         if self.host and self.device.type != "cpu" and self.call.placement >> index & 1:
-            self.made.append(values.to(self.device))  # this one the caller keeps on the accelerator
+            self.made.append(on_device.to(self.device))  # this one the caller keeps on the accelerator
             return self.made[-1]
         if self.host:
             layout = self.call.layout
@@ -199,11 +203,7 @@ class _Tensors:
             made = _host(values, layout)
             self.made.append(made)
             return made.tensor
-        # What a user would write by hand: .to() keeps a dense channels_last layout (the backend then moves memory
-        # in that order); any other layout is made contiguous, which is all NCCL takes.
-        if self.call.layout == "channels_last" and len(shape) == 4:
-            values = values.contiguous(memory_format=torch.channels_last)
-        tensor = values.to(self.device)
+        tensor = on_device.to(self.device)
         self.made.append(tensor)
         return tensor
 
