@@ -57,14 +57,19 @@ def _finish_on(device: torch.device) -> None:
 
 
 def staging_format(tensor: torch.Tensor) -> torch.memory_format:
-    """The memory format of ``tensor``'s staged copy: ``channels_last`` (``_3d``) where the tensor is dense in it,
-    else contiguous. Backends take such tensors as they are (NCCL checks ``is_contiguous(suggest_memory_format())``)
-    and move their memory in that order, so a staged call does what the call on an accelerator copy (``.to()``
-    keeps the format) does; any other layout becomes contiguous, which is all NCCL takes."""
+    """The memory format of ``tensor``'s staged copy: the tensor's own where it is dense in a channels-last format
+    that torch recognises from its strides (``suggest_memory_format()``), else contiguous. NCCL takes a tensor that
+    is contiguous in its suggested format as it is and moves its memory in that order, so a staged call does what
+    the call on an accelerator copy (``.to()`` keeps the layout) does; any other layout becomes contiguous. Either
+    way the staged tensor passes NCCL's check on every rank, whatever the shapes (a rank that refused a call
+    alone would leave its peers waiting)."""
     if not tensor.is_contiguous():
-        for memory_format, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-            if tensor.dim() == ndim and tensor.is_contiguous(memory_format=memory_format):
-                return memory_format
+        # Python's twin of C++ Tensor::suggest_memory_format, which has no binding (torch 2.11, 2.13).
+        from torch._prims_common import suggest_memory_format
+
+        suggested = suggest_memory_format(tensor)
+        if suggested != torch.contiguous_format and tensor.is_contiguous(memory_format=suggested):
+            return suggested
     return torch.contiguous_format
 
 
