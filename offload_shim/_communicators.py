@@ -227,8 +227,7 @@ def _call(spec: _Spec, parameters, wrapped, instance, args, kwargs):
     with torch.no_grad():
         for entry in staged.values():
             t = entry.caller
-            entry.copy = _staging.to_staging(t, device) if entry.read else torch.empty(
-                t.shape, dtype=t.dtype, device=device, memory_format=_staging.staging_format(t))
+            entry.copy = _staging.to_staging(t, device) if entry.read else torch.empty(t.shape, dtype=t.dtype, device=device)
     for name, entry in names:
         args, kwargs = parameters.replace(args, kwargs, name, entry.copy)
     _staging._finish_on(device)  # the copies are complete, whatever stream the method uses

@@ -56,35 +56,21 @@ def _finish_on(device: torch.device) -> None:
         torch.accelerator.current_stream(device).synchronize()
 
 
-def staging_format(tensor: torch.Tensor) -> torch.memory_format:
-    """The memory format of ``tensor``'s staged copy: the tensor's own where it is dense in a channels-last format
-    that torch recognises from its strides (``suggest_memory_format()``), else contiguous. NCCL takes a tensor that
-    is contiguous in its suggested format as it is and moves its memory in that order, so a staged call does what
-    the call on an accelerator copy (``.to()`` keeps the layout) does; any other layout becomes contiguous. Either
-    way the staged tensor passes NCCL's check on every rank, whatever the shapes (a rank that refused a call
-    alone would leave its peers waiting)."""
-    if not tensor.is_contiguous():
-        # Python's twin of C++ Tensor::suggest_memory_format, which has no binding (torch 2.11, 2.13).
-        from torch._prims_common import suggest_memory_format
-
-        suggested = suggest_memory_format(tensor)
-        if suggested != torch.contiguous_format and tensor.is_contiguous(memory_format=suggested):
-            return suggested
-    return torch.contiguous_format
-
-
 def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A dense copy of host ``tensor`` on ``device`` (same shape and dtype, new storage, :func:`staging_format`):
-    backends such as NCCL take dense tensors only, whatever the caller's strides.
+    """A contiguous copy of host ``tensor`` on ``device`` (same shape and dtype, new storage): backends such as
+    NCCL take contiguous tensors only, whatever the caller's strides, and the functional collectives check for
+    contiguity themselves. A channels_last tensor is staged contiguous too: its staged call moves data in logical
+    order, where torch's call on the tensor itself moves its memory order (they differ only where one call mixes
+    layouts). Keeping channels_last would not do: where one rank's tensor is empty (contiguous in every format)
+    and another's is not, a check the others fail would leave that rank waiting.
 
     Differentiable (``Tensor.to``), so functional collectives keep their autograd graph.
     """
-    memory_format = staging_format(tensor)
     if device.type == "cpu":
-        return tensor.clone(memory_format=memory_format)
+        return tensor.clone(memory_format=torch.contiguous_format)
     # Pinned: an asynchronous DMA. Pageable: the runtime's own staged copy, measured faster than a copy into
     # pinned memory first (see _pipeline.PAGEABLE_PATH).
-    return tensor.to(device, non_blocking=True, memory_format=memory_format)
+    return tensor.to(device, non_blocking=True, memory_format=torch.contiguous_format)
 
 
 def to_caller(staged: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -136,8 +122,7 @@ class StagedArguments:
             if reads:
                 staged = to_staging(value, self.device)
             else:
-                staged = torch.empty(value.shape, dtype=value.dtype, device=self.device,
-                                     memory_format=staging_format(value))
+                staged = torch.empty(value.shape, dtype=value.dtype, device=self.device)
         if writes:
             self._written.append((value, staged))
         return staged

@@ -33,7 +33,6 @@ import torch.distributed._functional_collectives as funcol
 import offload_shim
 from bitwise import same_bits
 from observe import recording_staging
-from offload_shim._staging import staging_format
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "int32", "int64", "uint8", "bool"]
 REDUCE_OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
@@ -190,15 +189,9 @@ class _Tensors:
     def __call__(self, shape, key) -> torch.Tensor:
         values = _values(tuple(shape), self.dtype, (self.call.seed, dist.get_rank(), key))
         index = len(self.made)
-        # On the accelerator as a user would put it there by hand: .to() keeps a dense channels_last layout (the
-        # backend then moves memory in that order); any other layout is made contiguous, which is all NCCL takes.
-        # (Only where torch recognises the layout from the strides: NCCL would refuse the tensor on that rank
-        # alone otherwise, which hangs its peers.)
+        # On the accelerator contiguous, as the backends and the functional collectives take it: a channels_last
+        # tensor of a rank whose tensor is empty passes their checks, where its peers' fail, and the ranks hang.
         on_device = values
-        if self.call.layout == "channels_last" and len(shape) == 4:
-            channels_last = values.contiguous(memory_format=torch.channels_last)
-            if staging_format(channels_last) == torch.channels_last:
-                on_device = channels_last
         if self.host and self.device.type != "cpu" and self.call.placement >> index & 1:
             self.made.append(on_device.to(self.device))  # this one the caller keeps on the accelerator
             return self.made[-1]

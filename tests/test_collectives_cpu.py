@@ -160,23 +160,6 @@ def saved_for_backward(chunk_bytes: int):
     assert all(same_bits(x, y) for x, y in zip(*grads))
 
 
-def channels_last_moves_memory_order():
-    """A dense channels_last tensor is staged as it is (NCCL takes it so and moves its memory in that order), so a
-    call mixing it with a contiguous tensor gives what the same call gives on the caller's own tensors."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x = (torch.arange(world * 12.0).view(world, 3, 2, 2) + 100 * rank).contiguous(memory_format=torch.channels_last)
-    results = []
-    for stage in (False, True):
-        out = torch.zeros(world, 3, 2, 2)
-        root = x.clone(memory_format=torch.channels_last) if rank == 0 else torch.zeros(world, 3, 2, 2)
-        with configured(staging_device="cpu", always_stage=stage):
-            offload_shim.install()
-            dist.all_to_all_single(out, x)
-            dist.broadcast(root, src=0)
-        results.append((out, root))
-    assert all(same_bits(a, b) for a, b in zip(*results))
-
-
 def test_field_cases(gloo_ranks):
     gloo_ranks.run(field_cases)
 
@@ -207,10 +190,6 @@ def test_batch_handles_wait_their_own_operation(gloo_ranks):
 @pytest.mark.parametrize("chunk_bytes", [16, 16 << 20], ids=["pipelined", "whole"])
 def test_tensor_saved_for_backward(gloo_ranks, chunk_bytes):
     gloo_ranks.run(saved_for_backward, chunk_bytes)
-
-
-def test_channels_last_moves_memory_order(gloo_ranks):
-    gloo_ranks.run(channels_last_moves_memory_order)
 
 
 def test_async_list_collectives_waited_late(gloo_ranks):
