@@ -161,6 +161,8 @@ def staging_device_for(
     if tensor.device.type != "cpu" or _staging.in_staged_call():
         return None
     served = served_device_types(group)
+    if not _staging.needs_staging(tensor):  # sparse or nested: left to a CPU backend, never staged
+        return _unstaged_layout(tensor, group, collective, served)
     settings = _config.settings()
     cpu_served = "cpu" in served
     if cpu_served and not (settings.always_stage or _routes(route_bytes, settings)):
@@ -194,8 +196,15 @@ def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) 
     Raises:
         StagingError: as :func:`staging_device_for`.
     """
-    host = next((t for t in tensors if t.device.type == "cpu" and t.layout == torch.strided), None)
-    if host is None or _staging.in_staged_call():
+    if _staging.in_staged_call():
+        return None
+    host = None
+    for t in tensors:
+        if t.device.type == "cpu":
+            if not _staging.needs_staging(t):
+                return _unstaged_layout(t, group, collective, served_device_types(group))
+            host = t if host is None else host
+    if host is None:
         return None
     served = served_device_types(group)
     for t in tensors:
@@ -204,6 +213,23 @@ def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) 
                 return _staging_through(t.device, host, group, collective)
             return None
     return staging_device_for(host, group, collective)
+
+
+def _unstaged_layout(tensor, group, collective: str, served) -> None:
+    """``None`` (left to torch) for a sparse or nested CPU tensor on a group that serves CPU; otherwise
+    :class:`StagingError`: the accelerator backends have no sparse collectives (NCCL: 'NCCL does not support
+    all_reduce with sparse tensors'), so staging could only fail later, or densify behind the caller's back."""
+    if "cpu" in served:
+        return None
+    kind = "nested" if tensor.is_nested else str(tensor.layout).replace("torch.", "")
+    raise StagingError(
+        f"offload_shim: {collective} got a {kind} tensor on {tensor.device} ({tuple(tensor.shape)}, {tensor.dtype}), "
+        f"and process group {group_label(group)} with backend {backend_description(group)!r} serves device types "
+        f"{sorted(served)} only. offload_shim stages dense (strided) tensors only: the accelerator backends have no "
+        f"{kind} collectives. Ways out: pass a dense tensor (tensor.to_dense()); or give the group a CPU backend, "
+        f"e.g. init_process_group({_with_cpu_backend(group, served)!r}), which Gloo serves for sparse COO "
+        f"all_reduce. The tensor was not modified."
+    )
 
 
 def _staging_through(device: torch.device, tensor: torch.Tensor, group, collective: str) -> torch.device | None:

@@ -4,10 +4,10 @@ In place on one tensor, elementwise (this module's :data:`TARGETS`): ``all_reduc
 ``broadcast(tensor, src, group, async_op, group_src)`` and ``reduce(tensor, dst, op, group, async_op,
 group_dst)``. When ``tensor`` is on the CPU and the group serves no CPU backend (or routes it, see ``_devices``),
 the tensor is staged, the original collective runs on the staged copy with the caller's other arguments, and the
-result is written back into the caller's own tensor object. Contiguous tensors of at least two chunks go through
-the chunked pipeline (``_pipeline``): their size is the same on every rank (torch requires it), so every rank
-splits them alike. Smaller or non-contiguous ones are staged whole, which costs less for a single chunk
-(measured: results/gpu/bench.log). ``reduce`` writes back on every rank, not only on ``dst``: the caller's
+result is written back into the caller's own tensor object. Tensors of at least two chunks, whatever their
+strides, go through the chunked pipeline (``_pipeline``): their size is the same on every rank (torch requires it,
+and the pipeline checks it), so every rank splits them alike. Smaller ones are staged whole, which costs less for
+a single chunk (measured: results/gpu/bench.log). ``reduce`` writes back on every rank, not only on ``dst``: the caller's
 tensor ends as the backend leaves the staged copy (Gloo uses non-destination tensors as scratch; NCCL leaves
 them alone).
 
@@ -32,6 +32,7 @@ from offload_shim import _config, _devices, _pipeline, _staging
 from offload_shim._patching import Parameters, Target
 
 MODULE = "torch.distributed.distributed_c10d"
+ALIASES = ("torch.distributed",)  # where the c10d functions are public under the same names
 IN_PLACE_COLLECTIVES = ("all_reduce", "broadcast", "reduce")
 
 _log = logging.getLogger("offload_shim")
@@ -66,7 +67,8 @@ def _in_place_wrapper(collective: str):
             if device is None:
                 return wrapped(*args, **kwargs)
             async_op = bool(parameters.get(args, kwargs, "async_op", False))
-            if tensor.is_contiguous() and nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * _config.settings().chunk_bytes:
+            # Chosen from what every rank shares (the size, the settings), so that every rank splits it alike.
+            if nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * _config.settings().chunk_bytes:
                 source = _broadcast_source(parameters, args, kwargs, group) if collective == "broadcast" else None
 
                 def launch(chunk):
@@ -75,7 +77,8 @@ def _in_place_wrapper(collective: str):
                     return wrapped(*chunk_args, **chunk_kwargs)
 
                 return _pipeline.stage_in_place(
-                    tensor, device, group, launch, reads=source is not False, writes=source is not True, async_op=async_op
+                    tensor, device, group, launch, f"torch.distributed.{collective}",
+                    reads=source is not False, writes=source is not True, async_op=async_op,
                 )
             staged = _staging.StagedArguments(device)
             args, kwargs = parameters.replace(args, kwargs, "tensor", staged.stage(tensor, reads=True, writes=True))
@@ -110,7 +113,7 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str]):
         def wrapper(wrapped, instance, args, kwargs):
             values = {param: parameters.get(args, kwargs, param) for param in roles}
             tensors = list(_tensors(values.values()))
-            if not any(_staging.needs_staging(t) for t in tensors):
+            if not any(t.device.type == "cpu" for t in tensors):  # sparse ones too: refused clearly below
                 return wrapped(*args, **kwargs)
             group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
             if group is None:
@@ -139,4 +142,21 @@ def _tensors(values):
             yield from _tensors(value)
 
 
-TARGETS = [Target(MODULE, name, _in_place_wrapper(name)) for name in IN_PLACE_COLLECTIVES]
+def _releasing_buffers(original):
+    """``destroy_process_group()`` of every group also frees the staging buffers (``_pipeline.release_buffers``):
+    they belong to no group, and no staged call can follow until a group is made again."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        group = args[0] if args else kwargs.get("group")
+        if group is None:
+            _pipeline.release_buffers()
+        return result
+
+    return wrapper
+
+
+TARGETS = [
+    *(Target(MODULE, name, _in_place_wrapper(name), aliases=ALIASES) for name in IN_PLACE_COLLECTIVES),
+    Target(MODULE, "destroy_process_group", _releasing_buffers, aliases=ALIASES),
+]

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import threading
+import weakref
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 
-_calls = threading.local()
+_calls = globals().get("_calls") or threading.local()  # state kept across importlib.reload
 
 
 @contextlib.contextmanager
@@ -90,10 +92,63 @@ def writable(destination: torch.Tensor):
     return torch.inference_mode() if destination.is_inference() else contextlib.nullcontext()
 
 
+# Host memory that asynchronous staged calls write when they are finished: token -> (spans, finish). A staged call
+# on memory in a span first finishes that call, so that calls on one tensor take effect in the order they were
+# made, as they do on one accelerator stream.
+_pending: dict[int, tuple[list[tuple[int, int]], Callable[[], object]]] = globals().get("_pending", {})
+_pending_lock = globals().get("_pending_lock") or threading.Lock()
+_tokens = globals().get("_tokens") or itertools.count()
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` of host memory that ``tensor``'s elements occupy (``None`` if it has none)."""
+    if tensor.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))  # strides are >= 0
+    start = tensor.data_ptr()
+    return start, start + (last + 1) * tensor.element_size()
+
+
+def expect_writes(tensors, finish: Callable[[], object]) -> int:
+    """Record that an asynchronous staged call will write ``tensors`` when ``finish()`` runs; returns the token
+    to pass to :func:`written`."""
+    token = next(_tokens)
+    spans = [span for span in map(_span, tensors) if span is not None]
+    if spans:
+        with _pending_lock:
+            _pending[token] = (spans, finish)
+    return token
+
+
+def written(token: int) -> None:
+    """The call recorded under ``token`` by :func:`expect_writes` has written its tensors, or never will."""
+    if _pending:
+        with _pending_lock:
+            _pending.pop(token, None)
+
+
+def finish_writes_to(tensors) -> None:
+    """Finish every asynchronous staged call that will write memory of ``tensors`` (waiting for it), so that a new
+    call reads and writes them after it, as a call on the same accelerator stream would."""
+    if not _pending:
+        return
+    spans = [span for span in map(_span, tensors) if span is not None]
+    with _pending_lock:
+        due = [finish for pending, finish in _pending.values() if any(
+            start < end_ and start_ < end for start, end in pending for start_, end_ in spans)]
+    for finish in due:
+        finish()
+
+
 def needs_staging(value) -> bool:
-    """Whether ``value`` is a host tensor that a staged call copies: a strided (dense) CPU tensor. Sparse
-    tensors are left to torch."""
-    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided
+    """Whether ``value`` is a host tensor that a staged call copies: a strided (dense), non-nested CPU tensor.
+    Sparse and nested tensors are never staged (see ``_devices._unstaged_layout``)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.layout == torch.strided
+        and not value.is_nested
+    )
 
 
 class StagedArguments:
@@ -118,6 +173,7 @@ class StagedArguments:
             return type(value)(self.stage(v, reads, writes) for v in value)
         if not needs_staging(value):
             return value
+        finish_writes_to([value])
         with torch.no_grad():
             if reads:
                 staged = to_staging(value, self.device)
@@ -155,58 +211,93 @@ class StagedArguments:
         if isinstance(result, dist.Work):
             return StagedWork([result], self.copy_back, self.callers())
         if isinstance(result, torch._C.Future):  # torch.futures.Future subclasses it; c10d returns the base
+            done = torch.futures.Future()
+            token = expect_writes(self.callers(), done.wait)
 
-            def finished(future: torch.futures.Future) -> list[torch.Tensor]:
-                future.value()  # re-raises the collective's error
-                self.copy_back()
-                return self.callers()
+            def finished(future: torch.futures.Future) -> None:
+                try:
+                    future.value()  # the collective's error, as torch raised it
+                    self.copy_back()
+                except Exception as error:
+                    done.set_exception(error)
+                else:
+                    done.set_result(self.callers())
+                finally:
+                    written(token)
 
-            return result.then(finished)
+            result.add_done_callback(finished)
+            return done
         self.copy_back()
         return result
 
 
-class StagedWork(dist.Work):
-    """Work handle of an ``async_op=True`` collective run on staged tensors.
+def _wait_if_alive(handle: weakref.ref) -> None:
+    work = handle()
+    if work is not None:
+        work.wait()
 
-    ``wait()``, ``synchronize()``, ``is_completed()`` (once it returns ``True``), ``result()`` and the future of
-    ``get_future()`` finish the copy back into the caller's tensor before they return, so a caller who waits as
-    torch asks never reads the tensor before it holds the result. Until then the caller's tensor holds
-    unspecified contents, as it does for torch's own asynchronous collectives. If the collective fails, the error
-    is raised as torch raises it and the copy back is not made.
+
+class StagedWork(dist.Work):
+    """Work handle of an asynchronous call run on staged tensors.
+
+    Until the call is finished, the caller's tensors it writes hold what they held before the call: results are
+    written into them by ``wait()``, ``synchronize()``, ``result()``, ``is_completed()`` once it returns ``True``,
+    the future of ``get_future()``, or a later staged call on the same memory (which finishes this one first). If
+    the collective failed, those raise torch's own exception (``is_completed()`` returns ``True``, as torch's does)
+    and nothing is written.
 
     Args:
         works: the work handles of the collective(s) run on the staged tensor (one per chunk).
-        finish: completes the copy back; called once.
+        finish: writes the results into the caller's tensors; called once, after every work succeeded.
         tensors: what ``result()`` and the future return (the caller's tensors).
-        done: an event that has completed once the copy back can be finished without blocking, if known.
+        done: an event that has completed once ``finish`` can run without blocking, if known.
+        writes_to: the caller's tensors ``finish`` writes (default ``tensors``).
+        error: an exception the call already met (raised by ``wait()``, as torch raises it there).
     """
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None], tensors: list[torch.Tensor], done=None):
+    def __init__(self, works, finish: Callable[[], None], tensors, done=None, writes_to=None, error=None):
         super().__init__()
         self._works = works
         self._finish = finish
         self._tensors = tensors
         self._done = done
+        self._error = error
         self._finished = False
         self._lock = threading.Lock()
-
-    def _complete(self) -> None:
-        with self._lock:
-            if not self._finished:
-                self._finish()
-                self._finished = True
+        self._token = None
+        if error is None:
+            # Weakly: a handle the caller drops unwaited never writes (as documented) and holds nothing.
+            handle = weakref.ref(self)
+            self._token = expect_writes(tensors if writes_to is None else writes_to, lambda: _wait_if_alive(handle))
+            weakref.finalize(self, written, self._token)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        if self._finished:  # torch's works are waited once: a Gloo receive's wait() blocks if called again
+        def wait_works():
+            for work in self._works:
+                if timeout:
+                    work.wait(timeout)
+                else:
+                    work.wait()
+
+        return self._settle(wait_works)
+
+    def _settle(self, complete_works: Callable[[], None]) -> bool:
+        """Once: ``complete_works()`` (which raises a collective's error), then the copy back."""
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._finished:  # torch's works are waited once: a Gloo receive's wait() blocks if called again
+                return True
+            try:
+                complete_works()
+                self._finish()
+            except Exception as error:
+                self._error = error
+                raise
+            finally:
+                written(self._token)
+            self._finished = True
             return True
-        for work in self._works:
-            if timeout:
-                work.wait(timeout)
-            else:
-                work.wait()
-        self._complete()
-        return True
 
     def synchronize(self) -> None:
         self.wait()
@@ -215,19 +306,23 @@ class StagedWork(dist.Work):
         self.wait()
 
     def is_completed(self) -> bool:
-        if self._finished:
+        if self._finished or self._error is not None:
             return True
         if not all(work.is_completed() for work in self._works):
             return False
+        if self.exception() is not None:
+            return True  # completed with an error, which wait() raises
         if self._done is not None and not self._done.query():
             return False
         self.wait()
         return True
 
     def is_success(self) -> bool:
-        return all(work.is_success() for work in self._works)
+        return self._error is None and all(work.is_success() for work in self._works)
 
     def exception(self):
+        if self._error is not None:
+            return self._error
         for work in self._works:
             error = work.exception()
             if error is not None:
@@ -242,11 +337,20 @@ class StagedWork(dist.Work):
         return list(self._tensors)
 
     def get_future(self) -> torch.futures.Future:
-        def finished(future: torch.futures.Future) -> list[torch.Tensor]:
-            for each in future.value():
-                each.value()  # re-raises a collective's error
-            # torch runs this once every collective's future has completed.
-            self._complete()
-            return list(self._tensors)
+        """A future of the caller's tensors, completed once they hold the result, or with torch's exception."""
+        done = torch.futures.Future()
 
-        return torch.futures.collect_all([work.get_future() for work in self._works]).then(finished)
+        def finished(futures: torch.futures.Future) -> None:
+            # Runs where torch completes the last future (a backend's thread): nothing here may wait on a work.
+            try:
+                self._settle(lambda: [each.value() for each in futures.value()])  # raises a collective's error
+            except Exception as error:
+                done.set_exception(error)
+            else:
+                done.set_result(list(self._tensors))
+
+        if self._error is not None or not self._works:
+            finished(torch.futures.collect_all([]))
+        else:
+            torch.futures.collect_all([work.get_future() for work in self._works]).add_done_callback(finished)
+        return done

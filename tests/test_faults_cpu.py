@@ -1,0 +1,302 @@
+"""Contracts under adversarial input and faults, on Gloo ranks with the staging path forced through the CPU (real
+copies, a real Gloo collective on the staged tensors): asynchronous calls, inference and sparse tensors, errors,
+ranks that disagree, staging buffers against process group lifetimes. The reference is always the same call left
+to torch on a contiguous copy."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bitwise import same_bits
+from observe import configured
+from offload_shim import StagingError, _pipeline
+from ranks import RankPool
+from test_staging_cpu import rank_input, staging_through_cpu
+
+CHUNK = 16  # bytes: 4 float32 elements a chunk, so that small tensors take the pipeline
+
+
+@pytest.fixture(scope="module")
+def fault_ranks():
+    """Two Gloo ranks of their own: some tests leave a timed-out group behind."""
+    pool = RankPool(world_size=2, backend="gloo")
+    yield pool
+    pool.close()
+
+
+def _reference(tensor, *calls):
+    """``tensor``'s copy after ``calls`` (each ``fn(t)``) made by torch, unstaged."""
+    copy = tensor.clone()
+    with configured(always_stage=False):
+        for call in calls:
+            call(copy)
+    return copy
+
+
+# ---------------------------------------------------------------- asynchronous calls
+
+
+def check_async_leaves_tensor_until_wait(numel, noncontiguous):
+    """An asynchronous staged call writes nothing into the caller's tensor before the handle is finished, whole or
+    pipelined, and the result after."""
+    base = rank_input((numel, 2), torch.float32, seed=numel)
+    tensor = base.t() if noncontiguous else base  # a transposed view: the pipeline's contiguous host copy
+    original = tensor.clone()
+    expected = _reference(tensor, dist.all_reduce)
+    source_expected = _reference(tensor, lambda t: dist.broadcast(t, src=1))
+    with staging_through_cpu(chunk_bytes=CHUNK) as staged:
+        work = dist.all_reduce(tensor, async_op=True)
+        assert same_bits(tensor, original)
+        assert work.wait() is True
+        assert same_bits(tensor, expected)
+        tensor.copy_(original)
+        work = dist.broadcast(tensor, src=1, async_op=True)
+        assert same_bits(tensor, original)
+        work.wait()
+        assert same_bits(tensor, source_expected)
+    assert len(staged) == 2
+
+
+@pytest.mark.parametrize("numel, noncontiguous", [(3, False), (40, False), (40, True)])
+def test_async_leaves_tensor_until_wait(gloo_ranks, numel, noncontiguous):
+    gloo_ranks.run(check_async_leaves_tensor_until_wait, numel, noncontiguous)
+
+
+def check_outstanding_calls_on_one_tensor(numel, wait_order):
+    """Two outstanding calls on one tensor take effect in the order made, whatever the order they are waited in: the
+    second reads the first's result, as two calls on one accelerator stream do (torch's own Gloo path races)."""
+    tensor = rank_input((numel,), torch.float32, seed=3)
+    expected = _reference(tensor, dist.all_reduce, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+    with staging_through_cpu(chunk_bytes=CHUNK):
+        works = [dist.all_reduce(tensor, async_op=True), dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)]
+        for index in wait_order:
+            works[index].wait()
+    assert same_bits(tensor, expected)
+    # A synchronous call after an outstanding one on the same tensor reads the outstanding one's result too.
+    other = rank_input((numel,), torch.float32, seed=4)
+    expected = _reference(other, dist.all_reduce, dist.all_reduce)
+    with staging_through_cpu(chunk_bytes=CHUNK):
+        work = dist.all_reduce(other, async_op=True)
+        dist.all_reduce(other)
+        work.wait()
+    assert same_bits(other, expected)
+
+
+@pytest.mark.parametrize("numel", [3, 40])
+@pytest.mark.parametrize("wait_order", [(0, 1), (1, 0)])
+def test_outstanding_calls_on_one_tensor(gloo_ranks, numel, wait_order):
+    gloo_ranks.run(check_outstanding_calls_on_one_tensor, numel, wait_order)
+
+
+def check_async_error_surfaces_where_torch_raises_it(numel):
+    """A collective that fails (a peer that never joins, on a group with a short timeout): torch raises in
+    ``wait()``, ``is_completed()`` returns True, the future carries torch's exception. Staged, the same, with the
+    caller's tensor unchanged."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    if dist.get_rank() == 1:
+        return None  # never joins
+    outcomes = []
+    for staged in (False, True):
+        tensor = rank_input((numel,), torch.float32, seed=5)
+        original = tensor.clone()
+        with staging_through_cpu(chunk_bytes=CHUNK), configured(always_stage=staged):
+            work = dist.all_reduce(tensor, group=group, async_op=True)
+            deadline = time.monotonic() + 30
+            while not work.is_completed():  # True once failed; never raises
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            with pytest.raises(RuntimeError) as at_wait:
+                work.wait()
+            with pytest.raises(RuntimeError) as from_future:
+                work.get_future().wait()
+        assert same_bits(tensor, original)
+        assert str(from_future.value) == str(at_wait.value)  # torch's message, not wrapped in another
+        outcomes.append(type(at_wait.value))
+    assert outcomes[0] is outcomes[1]
+    return None
+
+
+@pytest.mark.parametrize("numel", [3, 40])
+def test_async_error_surfaces_where_torch_raises_it(fault_ranks, numel):
+    fault_ranks.run(check_async_error_surfaces_where_torch_raises_it, numel)
+
+
+# ---------------------------------------------------------------- inference tensors
+
+
+def check_inference_tensors(numel, asynchronous):
+    """Tensors made under torch.inference_mode() (rollouts, eval metrics), staged outside it: whole, pipelined,
+    non-contiguous, sync and async, in place and as outputs; written as torch's C++ writes them."""
+    with torch.inference_mode():
+        tensor = rank_input((numel, 2), torch.float32, seed=6)
+        view = rank_input((numel, 2), torch.float32, seed=9).t()
+        gathered = [torch.zeros(numel, 2) for _ in range(dist.get_world_size())]
+    expected = _reference(tensor, dist.all_reduce)
+    expected_view = _reference(view, lambda t: dist.broadcast(t, src=0))
+    expected_gathered = [t.clone() for t in gathered]
+    with configured(always_stage=False):
+        dist.all_gather(expected_gathered, expected)
+    with staging_through_cpu(chunk_bytes=CHUNK):
+        for work in (
+            dist.all_reduce(tensor, async_op=asynchronous),
+            dist.broadcast(view, src=0, async_op=asynchronous),
+            dist.all_gather(gathered, tensor, async_op=asynchronous),
+        ):
+            if asynchronous:
+                work.wait()
+    assert tensor.is_inference() and all(t.is_inference() for t in gathered)
+    assert same_bits(tensor, expected) and same_bits(view, expected_view)
+    assert all(same_bits(g, e) for g, e in zip(gathered, expected_gathered))
+
+
+@pytest.mark.parametrize("numel", [3, 40])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_inference_tensors(gloo_ranks, numel, asynchronous):
+    gloo_ranks.run(check_inference_tensors, numel, asynchronous)
+
+
+# ---------------------------------------------------------------- sparse tensors
+
+
+def _sparse(kind):
+    rank = dist.get_rank()
+    dense = torch.tensor([[rank + 1.0, 0.0, 2.0], [0.0, 0.0, -rank - 0.5]])
+    return dense.to_sparse() if kind == "coo" else dense.to_sparse_csr()
+
+
+def _outcome(call, tensor):
+    try:
+        call(tensor)
+    except Exception as exc:
+        return type(exc), str(exc).splitlines()[0]
+    return tensor.to_dense() if tensor.layout != torch.strided else tensor
+
+
+def check_sparse_left_to_torch(kind):
+    """On a group that serves CPU, sparse tensors go to torch untouched even where staging is forced or the size
+    would route them off Gloo: Gloo reduces sparse COO, and refuses a sparse broadcast and CSR with its own
+    errors."""
+    calls = {"all_reduce": dist.all_reduce, "broadcast": lambda t: dist.broadcast(t, src=0)}
+    results = {}
+    for name, call in calls.items():
+        with configured(always_stage=False):
+            want = _outcome(call, _sparse(kind))
+        with staging_through_cpu(chunk_bytes=CHUNK, route_min_bytes=1):
+            got = _outcome(call, _sparse(kind))
+        if isinstance(want, tuple):
+            assert got == want, (name, got, want)
+        else:
+            assert same_bits(got, want), name
+        results[name] = "error" if isinstance(want, tuple) else "reduced"
+    return results
+
+
+@pytest.mark.parametrize("kind", ["coo", "csr"])
+def test_sparse_left_to_torch(gloo_ranks, kind):
+    results = gloo_ranks.run(check_sparse_left_to_torch, kind)[0]
+    assert results["all_reduce"] == ("reduced" if kind == "coo" else "error")  # the test compares both outcomes
+
+
+def check_sparse_refused_clearly_without_a_cpu_backend():
+    import offload_shim
+
+    offload_shim.install()
+    tensor = _sparse("coo")
+    before = tensor.to_dense()
+    with pytest.raises(StagingError, match=r"sparse_coo tensor .* dense \(strided\) tensors only") as raised:
+        dist.all_reduce(tensor)
+    assert "to_dense()" in str(raised.value) and "cpu:gloo" in str(raised.value)
+    assert same_bits(tensor.to_dense(), before)
+    with pytest.raises(StagingError, match="sparse_coo"):
+        dist.all_gather([torch.zeros(2, 3)] * dist.get_world_size(), tensor)
+
+
+def test_sparse_refused_clearly_without_a_cpu_backend(accelerator_only_ranks):
+    accelerator_only_ranks.run(check_sparse_refused_clearly_without_a_cpu_backend)
+
+
+# ---------------------------------------------------------------- errors leave the caller's tensor unchanged
+
+
+def check_refused_pipelined_call_writes_nothing(asynchronous):
+    """A call torch refuses (Gloo has no BXOR for floats) is refused by the pipeline at its first chunk, before
+    anything is written, sync or async."""
+    tensor = rank_input((40,), torch.float32, seed=7)
+    original = tensor.clone()
+    with configured(always_stage=False), pytest.raises(Exception) as by_torch:
+        dist.all_reduce(tensor.clone(), op=dist.ReduceOp.BXOR)
+    with staging_through_cpu(chunk_bytes=CHUNK) as staged, pytest.raises(type(by_torch.value)):
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.BXOR, async_op=asynchronous)
+        work.wait()
+    assert staged and same_bits(tensor, original)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_refused_pipelined_call_writes_nothing(gloo_ranks, asynchronous):
+    gloo_ranks.run(check_refused_pipelined_call_writes_nothing, asynchronous)
+
+
+# ---------------------------------------------------------------- ranks that disagree
+
+
+def check_ranks_disagree(what):
+    """Sizes that differ by whole chunks, or chunk sizes set differently: every rank raises StagingError before
+    any chunk's collective, tensors unchanged (unchecked, one rank returned a partial result and the other hung)."""
+    rank = dist.get_rank()
+    numel, chunk = (40 if rank == 0 else 24, CHUNK) if what == "size" else (40, CHUNK * (rank + 1))
+    tensor = rank_input((numel,), torch.float32, seed=8)
+    original = tensor.clone()
+    try:
+        with staging_through_cpu(chunk_bytes=chunk):
+            dist.all_reduce(tensor)
+    finally:
+        assert same_bits(tensor, original)
+
+
+@pytest.mark.parametrize("what, message", [("size", "sizes from 24 to 40 elements"), ("chunk", "OFFLOAD_SHIM_CHUNK_BYTES")])
+def test_ranks_disagree(fault_ranks, what, message):
+    errors = fault_ranks.run_expecting_errors(check_ranks_disagree, what)
+    assert all("StagingError" in e and "disagree" in e and message in e for e in errors), errors
+
+
+# ---------------------------------------------------------------- staging buffers and process group lifetimes
+
+
+def _rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_buffers_outlive_no_group(rounds):
+    """Groups made, used once with a pipelined tensor and destroyed, in a loop: the staging buffers stay as they
+    were after the first round (they belong to no group), and so does the process's memory."""
+    chunk = 4 << 20
+    tensor = torch.ones(3 * chunk // 4)  # three chunks of float32
+
+    def once():
+        group = dist.new_group()
+        dist.all_reduce(tensor, group=group)
+        dist.destroy_process_group(group)
+
+    with staging_through_cpu(chunk_bytes=chunk):
+        once()
+        buffers, rss = len(_pipeline.pooled_buffers()), _rss_bytes()
+        for _ in range(rounds):
+            once()
+        growth = _rss_bytes() - rss
+        assert len(_pipeline.pooled_buffers()) == buffers, (buffers, len(_pipeline.pooled_buffers()))
+    return buffers, growth
+
+
+def test_buffers_outlive_no_group(fault_ranks):
+    rounds, chunk = 20, 4 << 20
+    for buffers, growth in fault_ranks.run(check_buffers_outlive_no_group, rounds):
+        assert buffers == _pipeline.SLOTS  # one pool: two slots (the CPU staging device needs no bounce buffers)
+        # A pool a group would be 2 chunks each round (160 MiB); allow one pool's worth of allocator noise.
+        assert growth < 2 * chunk, growth
