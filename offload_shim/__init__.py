@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 import logging
 
-from offload_shim import _patch_compiled, _patching
+from offload_shim import _patch_compiled, _patching, _warning_location
 from offload_shim._communicators import register_communicator
 from offload_shim._config import ConfigError, Settings, configure, settings
 from offload_shim._devices import StagingError
@@ -65,6 +65,7 @@ def install() -> None:
         return
     _patching.install(_targets())
     _patch_compiled.install()
+    _warning_location.install()
 
 
 def uninstall() -> None:
@@ -72,6 +73,7 @@ def uninstall() -> None:
     (modules imported while the shim was installed included). Removing twice changes nothing."""
     _patching.uninstall()
     _patch_compiled.uninstall()
+    _warning_location.uninstall()
 
 
 def is_installed() -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def _info() -> int:
@@ -48,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("argv", nargs=argparse.REMAINDER, help="the command and its arguments")
     args = parser.parse_args(argv)
     if args.command == "info":
+        from offload_shim import _config
+
+        try:  # as offload_shim_boot.main reports it when importing the package raises
+            _config.parse_flag(_config.ENV_ENABLE)
+            _config.settings_from_environment()
+        except _config.ConfigError as exc:
+            print(f"offload-shim: {exc}", file=sys.stderr)
+            return 2
         return _info()
     from offload_shim_boot import run_command
 

@@ -46,7 +46,7 @@ class _Spec:
         return value if isinstance(value, torch.device) else torch.device(value)
 
 
-_specs: dict[tuple[str, str | None, str], _Spec] = {}
+_specs: dict[tuple[str, str | None, str], _Spec] = globals().get("_specs", {})  # kept across reload
 
 
 def register_communicator(

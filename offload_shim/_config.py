@@ -138,8 +138,8 @@ def settings_from_environment(environ=os.environ) -> Settings:
     )
 
 
-_lock = threading.Lock()
-_settings = Settings()
+_lock = globals().get("_lock") or threading.Lock()
+_settings = globals().get("_settings") or Settings()  # kept across importlib.reload of this module
 
 
 def settings() -> Settings:

@@ -11,7 +11,7 @@ functions the running torch has are wrapped.
 
 from __future__ import annotations
 
-from offload_shim._patch_c10d import MODULE, READ, READ_WRITE, WRITE, staged_arguments_wrapper
+from offload_shim._patch_c10d import ALIASES, MODULE, READ, READ_WRITE, WRITE, staged_arguments_wrapper
 from offload_shim._patching import Target
 
 COLLECTIVES = {
@@ -29,4 +29,6 @@ COLLECTIVES = {
     "scatter": {"tensor": WRITE, "scatter_list": READ},
 }
 
-TARGETS = [Target(MODULE, name, staged_arguments_wrapper(name, roles)) for name, roles in COLLECTIVES.items()]
+TARGETS = [
+    Target(MODULE, name, staged_arguments_wrapper(name, roles), aliases=ALIASES) for name, roles in COLLECTIVES.items()
+]

@@ -50,8 +50,8 @@ NAMESPACES = ("_c10d_functional", "_dtensor")
 POINT_TO_POINT = frozenset({"isend", "irecv", "batch_p2p_ops"})
 
 _log = logging.getLogger("offload_shim")
-_lock = threading.Lock()
-_libraries: list = []  # the torch.library.Library objects holding the registrations while installed
+_lock = globals().get("_lock") or threading.Lock()  # state kept across importlib.reload
+_libraries: list = globals().get("_libraries", [])  # the torch.library.Library objects holding the registrations while installed
 
 
 def install() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from offload_shim import _devices, _staging
-from offload_shim._patch_c10d import MODULE, READ, WRITE, staged_arguments_wrapper
+from offload_shim._patch_c10d import ALIASES, MODULE, READ, WRITE, staged_arguments_wrapper
 from offload_shim._patching import Target
 
 POINT_TO_POINT = {"send": READ, "isend": READ, "recv": WRITE, "irecv": WRITE}
@@ -68,6 +68,9 @@ def _current(operation):
 
 
 TARGETS = [
-    *(Target(MODULE, name, staged_arguments_wrapper(name, {"tensor": role})) for name, role in POINT_TO_POINT.items()),
-    Target(MODULE, "batch_isend_irecv", _batch_wrapper),
+    *(
+        Target(MODULE, name, staged_arguments_wrapper(name, {"tensor": role}), aliases=ALIASES)
+        for name, role in POINT_TO_POINT.items()
+    ),
+    Target(MODULE, "batch_isend_irecv", _batch_wrapper, aliases=ALIASES),
 ]

@@ -1,16 +1,22 @@
-"""Installing and removing wrappers: one ``wrapt.FunctionWrapper`` per wrapped function, bound at every
-name a caller can reach it by.
+"""Installing and removing wrappers: one ``wrapt.FunctionWrapper`` per object bound where a caller reaches a
+wrapped function, put at every name that holds that object.
 
-A function such as ``torch.distributed.all_reduce`` is reachable as ``torch.distributed.all_reduce``, as
-``torch.distributed.distributed_c10d.all_reduce``, and under the same name in any module that imported it by
-name before the shim was installed (``torch/distributed/tensor/_collective_utils.py`` binds ``broadcast``
-so). Installing binds the one wrapper at each module attribute of that name that holds the original object;
-modules imported later bind the wrapper themselves. Removing binds the original back wherever the wrapper is
-found, including modules imported while the shim was installed. Identity, not ``__wrapped__`` (which torch's
-own ``functools.wraps`` decorators set), tells original from wrapper.
+A function such as ``torch.distributed.all_reduce`` is reachable at its home (``torch.distributed.distributed_c10d.
+all_reduce``), at its public aliases (``torch.distributed.all_reduce``), and under the same name in any module
+that imported it by name before the shim was installed (``torch/distributed/tensor/_collective_utils.py`` binds
+``broadcast`` so). Installing wraps what is bound at the home and at each alias at that moment, whoever put it
+there (torch, or a user's or another tool's wrapper of it), and binds each wrapper at every module attribute of that
+name holding the object it wraps; modules imported later bind the wrapper themselves. Removing binds each object back
+wherever its wrapper is found, modules imported while the shim was installed included; a name that someone else
+rebound after the shim (a wrapper of the shim's wrapper) is left as they left it. Each wrapper passes every call
+straight through once removed, so one that someone else still holds never stages again, and a later install never
+stacks a second staging wrapper on it. Identity, not ``__wrapped__`` (which torch's own ``functools.wraps``
+decorators set), tells one object from another.
 
 Families of patches whose module torch imports lazily (DTensor, the functional collectives) are applied by
 a wrapt post-import hook when that module is first imported.
+
+The module's state survives ``importlib.reload``: a reload re-runs this code, and the wrappers in place stay known.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,29 +44,38 @@ class Target:
         name: its attribute name there.
         owner: for a method, the class attribute path inside ``module`` (e.g. ``"DTensor"``); ``None`` for a
             module-level function, which is then also rebound in every other module that holds it by name.
-        make_wrapper: given the original function, returns the wrapt wrapper ``(wrapped, instance, args,
-            kwargs) -> result``.
+        make_wrapper: given the original function (whose signature names the call's parameters), returns the wrapt
+            wrapper ``(wrapped, instance, args, kwargs) -> result``.
+        aliases: other modules where the function is public under the same name (``"torch.distributed"``); what
+            is bound there at install time is wrapped even when it is not the home's object.
     """
 
     module: str
     name: str
     make_wrapper: WrapperFactory
     owner: str | None = None
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass
-class _Applied:
+class _Binding:
+    """One wrapper, bound in place of ``original`` (torch's function, or whatever wrapped it before the shim)."""
+
     target: Target
     original: object
     wrapper: wrapt.FunctionWrapper
+    live: list  # [True] while installed: the wrapper passes calls straight through once it is [False]
 
 
-_lock = threading.RLock()
-_installed = False
-_applied: dict[tuple[str, str | None, str], _Applied] = {}
-_hooked_modules: set[str] = set()
-_targets: list[Target] = []
-_added: list[Target] = []  # targets added by add_target(), wrapped by every install() after it
+# Kept across importlib.reload of this module (see the module docstring).
+_lock = globals().get("_lock") or threading.RLock()
+_installed = globals().get("_installed", False)
+_applied: dict[tuple[str, str | None, str], list[_Binding]] = globals().get("_applied", {})
+_hooked_modules: set[str] = globals().get("_hooked_modules", set())
+_targets: list[Target] = globals().get("_targets", [])
+_added: list[Target] = globals().get("_added", [])  # targets added by add_target(), wrapped by every install() after it
+# Every wrapper the shim made, by id (a wrapper compares and hashes equal to what it wraps, so no set of them).
+_ours: dict[int, weakref.ref] = globals().get("_ours", {})
 
 
 def is_installed() -> bool:
@@ -89,46 +105,67 @@ def _rebind(name: str, old: object, new: object) -> int:
     return count
 
 
+def _is_ours(value) -> bool:
+    ref = _ours.get(id(value))
+    return ref is not None and ref() is value
+
+
+def _unwrap_ours(value):
+    """``value`` without the shim's own (removed, pass-through) wrappers around it."""
+    while _is_ours(value):
+        value = value.__wrapped__
+    return value
+
+
 def _apply(target: Target) -> None:
     key = (target.module, target.owner, target.name)
     if key in _applied:
         return
-    owner = _owner_object(target)
-    original = vars(owner).get(target.name)
-    if original is None:
+    home = _owner_object(target)
+    reference = _unwrap_ours(vars(home).get(target.name))
+    if reference is None:
         _log.debug("offload_shim: %s.%s not present in this torch; not wrapped", target.module, target.name)
         return
-    wrapper = wrapt.FunctionWrapper(original, _guarded(target.make_wrapper(original)))
-    if target.owner is None:
-        _rebind(target.name, original, wrapper)
-    else:
-        setattr(owner, target.name, wrapper)
-    _applied[key] = _Applied(target, original, wrapper)
+    sites = [home] + [sys.modules[alias] for alias in target.aliases if alias in sys.modules]
+    bindings: list[_Binding] = []
+    for site in sites:
+        value = _unwrap_ours(vars(site).get(target.name))
+        if value is None or any(b.original is value for b in bindings):
+            continue
+        live = [True]
+        wrapper = wrapt.FunctionWrapper(value, _guarded(target.make_wrapper(reference), live))
+        _ours[id(wrapper)] = weakref.ref(wrapper, lambda _, key=id(wrapper): _ours.pop(key, None))
+        setattr(site, target.name, wrapper)
+        if target.owner is None:
+            _rebind(target.name, value, wrapper)
+        bindings.append(_Binding(target, value, wrapper, live))
+    _applied[key] = bindings
 
 
-def _guarded(wrapper_fn):
-    """Pass straight through once the shim is uninstalled (a caller may still hold the wrapper)."""
+def _guarded(wrapper_fn, live: list):
+    """Pass straight through once this wrapper is removed (a caller may still hold it)."""
 
     def guarded(wrapped, instance, args, kwargs):
-        if not _installed:
+        if not live[0]:
             return wrapped(*args, **kwargs)
         return wrapper_fn(wrapped, instance, args, kwargs)
 
     return guarded
 
 
-def _remove(applied: _Applied) -> None:
-    target = applied.target
+def _remove(binding: _Binding) -> None:
+    binding.live[0] = False
+    target = binding.target
     if target.owner is None:
-        _rebind(target.name, applied.wrapper, applied.original)
+        _rebind(target.name, binding.wrapper, binding.original)
         return
     owner = _owner_object(target)
-    if vars(owner).get(target.name) is applied.wrapper:
-        setattr(owner, target.name, applied.original)
+    if vars(owner).get(target.name) is binding.wrapper:
+        setattr(owner, target.name, binding.original)
     else:
-        _log.warning(
-            "offload_shim: %s.%s.%s was replaced by someone else after offload_shim wrapped it; left as found",
-            target.module, target.owner, target.name,
+        _log.debug(
+            "offload_shim: %s.%s.%s was replaced after offload_shim wrapped it; left as found (the shim's wrapper "
+            "inside it passes calls through)", target.module, target.owner, target.name,
         )
 
 
@@ -176,20 +213,23 @@ def add_target(target: Target) -> None:
 
 
 def uninstall() -> None:
-    """Restore the original objects at every name where a wrapper is bound. Removing twice changes nothing."""
+    """Bind the objects the wrappers replaced back at every name where a wrapper is bound. Removing twice changes
+    nothing."""
     global _installed
     with _lock:
         _installed = False
         for key in list(_applied):
-            _remove(_applied.pop(key))
+            for binding in _applied.pop(key):
+                _remove(binding)
 
 
 def applied_wrappers() -> dict[str, wrapt.FunctionWrapper]:
-    """The wrappers in place, by dotted name of the function they wrap."""
+    """The wrappers in place, by dotted name of the function they wrap (the home's wrapper)."""
     with _lock:
         return {
-            ".".join(p for p in (a.target.module, a.target.owner, a.target.name) if p): a.wrapper
-            for a in _applied.values()
+            ".".join(p for p in (key[0], key[1], key[2]) if p): bindings[0].wrapper
+            for key, bindings in _applied.items()
+            if bindings
         }
 
 

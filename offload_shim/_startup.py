@@ -11,23 +11,44 @@
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 
 from offload_shim import _config
 
 _log = logging.getLogger("offload_shim")
+# Whether activate_on_import() ran in this process: importlib.reload(offload_shim) runs the package's code again,
+# and must not reread the environment over configure()'s settings or install what uninstall() removed.
+_activated = globals().get("_activated", False)
 
 
 def activate_on_import() -> bool:
     """Read the environment and install the wrappers unless ``OFFLOAD_SHIM`` is false.
 
+    Runs once per process: later calls (``importlib.reload(offload_shim)``) change nothing.
+
     Returns:
-        Whether the wrappers were installed.
+        Whether the wrappers are installed.
 
     Raises:
         ConfigError: an ``OFFLOAD_SHIM*`` variable is malformed (while ``OFFLOAD_SHIM`` is not false: switched off,
             a malformed other variable is a warning); nothing is installed then.
     """
+    global _activated
+    if _activated:
+        from offload_shim import is_installed
+
+        return is_installed()
+    _activated = True
+    if sys.argv[:1] == ["-m"]:
+        # `python -m offload_shim ...` imports the package before its __main__ runs (sys.argv[0] is "-m" while
+        # Python locates the module): the command line reports a malformed variable itself, in one line, as the
+        # `offload-shim` command does.
+        try:
+            _config.parse_flag(_config.ENV_ENABLE)
+            _config.settings_from_environment()
+        except _config.ConfigError:
+            return False
     enabled = _config.parse_flag(_config.ENV_ENABLE)
     if enabled is False:
         _log.debug("offload_shim: %s is false; wrappers not installed", _config.ENV_ENABLE)

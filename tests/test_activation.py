@@ -31,12 +31,15 @@ def test_entry_point_is_registered():
 
 # Each spelling of a value: one through the whole path (a fresh interpreter's `import torch`), the others through
 # the function that path ends in (offload_shim._startup.activate_on_import for a set value, offload_shim_boot.autoload
-# for an empty one) in the same interpreter; a fresh interpreter per spelling cost CI half a minute.
+# for an empty one) in the same interpreter, as a fresh one would run it (activation runs once per process); a
+# fresh interpreter per spelling cost CI half a minute.
 SPELLINGS = """
-import os, offload_shim_boot
+import os, sys, offload_shim_boot
 def each(values, activate):
     for value in values:
         os.environ["OFFLOAD_SHIM"] = value
+        if "offload_shim._startup" in sys.modules:
+            sys.modules["offload_shim._startup"]._activated = False
         activate()
         yield value
 """

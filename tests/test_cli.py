@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from interpreters import SHIM_VARIABLES
 
 BOOT = "import sys, offload_shim_boot; sys.exit(offload_shim_boot.main(sys.argv[1:]))"
@@ -42,10 +44,22 @@ def test_run_needs_no_valid_environment_of_its_own():
     assert out.returncode == 0 and out.stdout.strip() == "1", out
 
 
-def test_info_reports_a_malformed_setting_as_a_message():
-    out = cli("info", env={"OFFLOAD_SHIM_STAGING_DEVICE": "banana"})
+def dash_m(*args, env=None):
+    environ = {k: v for k, v in os.environ.items() if k not in SHIM_VARIABLES}
+    environ.update(env or {})
+    return subprocess.run([sys.executable, "-m", "offload_shim", *args], capture_output=True, text=True, timeout=120, env=environ)
+
+
+@pytest.mark.parametrize("command", [cli, dash_m], ids=["offload-shim", "python -m offload_shim"])
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [("OFFLOAD_SHIM_STAGING_DEVICE", "banana", "is not a device"), ("OFFLOAD_SHIM", "maybe", "is not a boolean")],
+)
+def test_info_reports_a_malformed_setting_as_a_message(command, variable, value, message):
+    """Both spellings: one line naming the variable, exit status 2, no traceback."""
+    out = command("info", env={variable: value})
     lines = out.stderr.splitlines()  # torch may warn first (e.g. NumPy missing)
-    assert out.returncode == 2 and any(l.startswith("offload-shim: OFFLOAD_SHIM_STAGING_DEVICE='banana' is not a device") for l in lines)
+    assert out.returncode == 2 and any(l.startswith(f"offload-shim: {variable}={value!r} {message}") for l in lines), out
     assert "Traceback" not in out.stderr
 
 
