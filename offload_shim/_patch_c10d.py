@@ -7,9 +7,8 @@ the tensor is staged, the original collective runs on the staged copy with the c
 result is written back into the caller's own tensor object. Tensors of at least two chunks, whatever their
 strides, go through the chunked pipeline (``_pipeline``): their size is the same on every rank (torch requires it,
 and the pipeline checks it), so every rank splits them alike. Smaller ones are staged whole, which costs less for
-a single chunk (measured: results/gpu/bench.log). ``reduce`` writes back on every rank, not only on ``dst``: the caller's
-tensor ends as the backend leaves the staged copy (Gloo uses non-destination tensors as scratch; NCCL leaves
-them alone).
+a single chunk (measured: results/gpu/bench.log). ``reduce`` writes back on ``dst`` only: the other ranks' tensors stay as they
+were, as NCCL leaves them (Gloo's own CPU path uses them as scratch).
 
 Every other tensor collective (gathers, scatters, all-to-all, point-to-point: ``_patch_c10d_lists``,
 ``_patch_p2p``) is wrapped by :func:`staged_arguments_wrapper`, from a table of which parameters the call reads
@@ -42,13 +41,26 @@ _log = logging.getLogger("offload_shim")
 READ, WRITE, READ_WRITE = "read", "write", "read-write"
 
 
-def _broadcast_source(parameters, args, kwargs, group) -> bool | None:
-    """Whether this rank is the broadcast's source; ``None`` when the arguments do not say (torch will raise)."""
-    group_src = parameters.get(args, kwargs, "group_src")
-    if group_src is not None:
-        return group.rank() == group_src
-    src = parameters.get(args, kwargs, "src")
-    return None if src is None else torch.distributed.get_rank() == src
+def _is_rank(parameters, args, kwargs, group, name: str) -> bool | None:
+    """Whether this rank is the call's ``name`` rank (``"src"`` of a broadcast, ``"dst"`` of a reduce), given as a
+    global rank or as ``group_<name>``; ``None`` when the arguments do not say (torch will raise)."""
+    group_rank = parameters.get(args, kwargs, f"group_{name}")
+    if group_rank is not None:
+        return group.rank() == group_rank
+    rank = parameters.get(args, kwargs, name)
+    return None if rank is None else torch.distributed.get_rank() == rank
+
+
+def _roles(collective, parameters, args, kwargs, group) -> tuple[bool, bool]:
+    """``(reads, writes)``: whether the collective reads and writes this rank's tensor. A broadcast reads only
+    on its source and writes elsewhere; a reduce writes only on its destination (NCCL leaves the others' tensors
+    as they were, where Gloo's own CPU path uses them as scratch)."""
+    if collective == "broadcast":
+        source = _is_rank(parameters, args, kwargs, group, "src")
+        return source is not False, source is not True
+    if collective == "reduce":
+        return True, _is_rank(parameters, args, kwargs, group, "dst") is not False
+    return True, True
 
 
 def _in_place_wrapper(collective: str):
@@ -67,10 +79,9 @@ def _in_place_wrapper(collective: str):
             if device is None:
                 return wrapped(*args, **kwargs)
             async_op = bool(parameters.get(args, kwargs, "async_op", False))
+            reads, writes = _roles(collective, parameters, args, kwargs, group)
             # Chosen from what every rank shares (the size, the settings), so that every rank splits it alike.
             if nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * _config.settings().chunk_bytes:
-                source = _broadcast_source(parameters, args, kwargs, group) if collective == "broadcast" else None
-
                 def launch(chunk):
                     chunk_args, chunk_kwargs = parameters.replace(args, kwargs, "tensor", chunk)
                     chunk_args, chunk_kwargs = parameters.replace(chunk_args, chunk_kwargs, "async_op", True)
@@ -78,13 +89,13 @@ def _in_place_wrapper(collective: str):
 
                 return _pipeline.stage_in_place(
                     tensor, device, group, launch, f"torch.distributed.{collective}",
-                    reads=source is not False, writes=source is not True, async_op=async_op,
+                    reads=reads, writes=writes, async_op=async_op,
                 )
             staged = _staging.StagedArguments(device)
-            args, kwargs = parameters.replace(args, kwargs, "tensor", staged.stage(tensor, reads=True, writes=True))
+            args, kwargs = parameters.replace(args, kwargs, "tensor", staged.stage(tensor, reads=reads, writes=writes))
             with _staging.staged_call():
                 result = wrapped(*args, **kwargs)
-            return staged.complete(result)
+            return staged.complete(result, [tensor])
 
         return wrapper
 

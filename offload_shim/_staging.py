@@ -203,13 +203,15 @@ class StagedArguments:
             _finish_on(self.device)
             self._copied = True
 
-    def complete(self, result):
+    def complete(self, result, tensors=None):
         """Finish the call that returned ``result``: a work handle (``async_op=True``, ``isend``, ``irecv``)
         becomes a :class:`StagedWork` that copies back when waited; a future (``all_reduce_coalesced`` with
         ``async_op=True`` returns one) becomes one that copies back when it completes and gives the caller's tensors;
-        anything else is returned after the copy back."""
+        anything else is returned after the copy back. ``tensors``: what the handle's ``result()`` and future give
+        (default: the caller's tensors the call writes)."""
+        tensors = self.callers() if tensors is None else tensors
         if isinstance(result, dist.Work):
-            return StagedWork([result], self.copy_back, self.callers())
+            return StagedWork([result], self.copy_back, tensors, writes_to=self.callers())
         if isinstance(result, torch._C.Future):  # torch.futures.Future subclasses it; c10d returns the base
             done = torch.futures.Future()
             token = expect_writes(self.callers(), done.wait)
@@ -221,7 +223,7 @@ class StagedArguments:
                 except Exception as error:
                     done.set_exception(error)
                 else:
-                    done.set_result(self.callers())
+                    done.set_result(tensors)
                 finally:
                     written(token)
 

@@ -47,8 +47,10 @@ class ContractTally:
         self.cases = {}
         self.calls = {}
         self.refused = {}  # "op/dtype/reduce op: error type" -> count
+        self.bounded = 0  # calls compared within the reordering bound rather than bitwise
 
-    def add(self, world_size, ops, refused):
+    def add(self, world_size, ops, refused, bounded=0):
+        self.bounded += bounded
         self.cases[world_size] = self.cases.get(world_size, 0) + 1
         for op in ops:
             self.calls[op] = self.calls.get(op, 0) + 1
@@ -61,7 +63,8 @@ class ContractTally:
         by_op = ", ".join(f"{op} {c}" for op, c in sorted(self.calls.items()))
         return [
             f"contract cases run: {total} ({by_ranks}); collective calls checked: {sum(self.calls.values())}, "
-            f"of which refused by torch and by the shim alike: {sum(self.refused.values())}",
+            f"of which refused by torch and by the shim alike: {sum(self.refused.values())}; "
+            f"compared within the reordering bound rather than bitwise: {self.bounded}",
             f"calls by collective: {by_op}",
             "refused (collective/dtype/reduce op: error, count): "
             + ", ".join(f"{what} {n}" for what, n in sorted(self.refused.items())),

@@ -33,4 +33,5 @@ EXAMPLES = 2000
 def test_contract_on_accelerators(accelerator_ranks, record_property, case):
     case_calls, order = case
     counts = accelerator_ranks.run(contracts.check_case, case_calls, list(order), "accelerator")[0]
-    record_property("contract_case", (2, [c.op for c in case_calls], counts["refused"]))
+    ops = [f"{c.op} (pipelined)" if c.chunk else c.op for c in case_calls]
+    record_property("contract_case", (2, ops, counts["refused"], counts["bounded"]))
