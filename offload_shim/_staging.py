@@ -312,11 +312,12 @@ class StagedWork(dist.Work):
             return True
         if not all(work.is_completed() for work in self._works):
             return False
-        if self.exception() is not None:
-            return True  # completed with an error, which wait() raises
         if self._done is not None and not self._done.query():
             return False
-        self.wait()
+        try:
+            self.wait()
+        except Exception:
+            pass  # completed with an error, as torch's handle: wait() raises it
         return True
 
     def is_success(self) -> bool:
@@ -326,7 +327,10 @@ class StagedWork(dist.Work):
         if self._error is not None:
             return self._error
         for work in self._works:
-            error = work.exception()
+            try:
+                error = work.exception()
+            except TypeError:  # torch 2.11's NCCL work returns an exception_ptr pybind cannot convert
+                continue
             if error is not None:
                 return error
         return None
