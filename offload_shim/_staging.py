@@ -94,9 +94,10 @@ def writable(destination: torch.Tensor):
 
 # Host memory that asynchronous staged calls write when they are finished: token -> (spans, finish). A staged call
 # on memory in a span first finishes that call, so that calls on one tensor take effect in the order they were
-# made, as they do on one accelerator stream.
+# made, as they do on one accelerator stream. No lock: each access is one dict operation (atomic in CPython), and
+# written() runs from garbage collection (a failed handle's traceback holds it in a cycle), which may strike while
+# any code of this module runs; a lock taken there would deadlock.
 _pending: dict[int, tuple[list[tuple[int, int]], Callable[[], object]]] = globals().get("_pending", {})
-_pending_lock = globals().get("_pending_lock") or threading.Lock()
 _tokens = globals().get("_tokens") or itertools.count()
 
 
@@ -115,16 +116,13 @@ def expect_writes(tensors, finish: Callable[[], object]) -> int:
     token = next(_tokens)
     spans = [span for span in map(_span, tensors) if span is not None]
     if spans:
-        with _pending_lock:
-            _pending[token] = (spans, finish)
+        _pending[token] = (spans, finish)
     return token
 
 
 def written(token: int) -> None:
     """The call recorded under ``token`` by :func:`expect_writes` has written its tensors, or never will."""
-    if _pending:
-        with _pending_lock:
-            _pending.pop(token, None)
+    _pending.pop(token, None)
 
 
 def finish_writes_to(tensors) -> None:
@@ -133,11 +131,9 @@ def finish_writes_to(tensors) -> None:
     if not _pending:
         return
     spans = [span for span in map(_span, tensors) if span is not None]
-    with _pending_lock:
-        due = [finish for pending, finish in _pending.values() if any(
-            start < end_ and start_ < end for start, end in pending for start_, end_ in spans)]
-    for finish in due:
-        finish()
+    for pending, finish in list(_pending.values()):
+        if any(start < end_ and start_ < end for start, end in pending for start_, end_ in spans):
+            finish()
 
 
 def needs_staging(value) -> bool:

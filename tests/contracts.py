@@ -23,6 +23,7 @@ only the host ones are staged, and every result lands on its own tensor's device
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 
 import hypothesis.strategies as st
@@ -64,7 +65,6 @@ NOT_IN_CONTRACT = {
 }
 # Staged through the pipeline when a case gives a chunk size (0: the default, far above these sizes: staged whole).
 CHUNKED = {"all_reduce", "broadcast", "reduce"}
-CHUNKS = [0, 0, 16, 40, 64]
 # 0-dim tensors allowed (torch 2.13's permute_tensor of a 0-dim tensor crashes the process, shim or not)
 SHAPE_FREE = {"all_reduce", "broadcast", "reduce", "send_recv", "batch_isend_irecv", "funcol.all_reduce",
               "funcol.broadcast", "funcol.all_reduce_coalesced", "all_reduce_coalesced"}
@@ -107,7 +107,10 @@ def calls(world_size: int):
             splits = tuple(draw(st.lists(st.integers(0, 4), min_size=world_size, max_size=world_size)))
         functional = op.startswith("funcol.")
         dtype = draw(st.sampled_from(DTYPES))
-        chunk = draw(st.sampled_from(CHUNKS)) if op in CHUNKED else 0
+        chunk = 0
+        if op in CHUNKED and draw(st.booleans()):  # pipelined in 2 to 6 chunks (the last one may be short)
+            nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
+            chunk = max(16, -(-nbytes // draw(st.integers(2, 6))))
         return Call(
             op=op,
             dtype=dtype,
