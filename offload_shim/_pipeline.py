@@ -132,17 +132,20 @@ _generation = globals().get("_generation", 0)
 
 
 def _acquire(device: torch.device, chunk_bytes: int) -> _Pool:
+    stale = []  # made for another chunk size: freed once their last use has finished, outside the lock
     with _pools_lock:
         idle = _idle.setdefault(str(device), [])
         while idle:
             pool = idle.pop()
             if pool.chunk_bytes == chunk_bytes and len(pool.slots) == SLOTS:
                 break
-            pool.synchronize()  # made for another chunk size: freed once its last use has finished
+            stale.append(pool)
         else:
             pool = _Pool(device, chunk_bytes, _generation)
         _busy.append(pool)
-        return pool
+    for old in stale:
+        old.synchronize()
+    return pool
 
 
 def _give_back(pool: _Pool) -> None:
