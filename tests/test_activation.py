@@ -130,7 +130,7 @@ def test_torch_autoload_switch_off_is_respected():
 
 # A training script that never mentions offload_shim; its group serves CUDA only, on a machine without CUDA.
 TRAIN = """
-import os, torch, torch.distributed as dist
+import os, time, torch, torch.distributed as dist
 dist.init_process_group("cuda:gloo")
 tensor = torch.ones(4)
 try:
@@ -139,6 +139,12 @@ try:
 except RuntimeError as exc:
     line = f"rank {dist.get_rank()} {type(exc).__name__} {exc} | tensor {tensor.tolist()}"
 os.write(1, (line + "\\n").encode())  # one write: the ranks share one pipe
+# Wait for every rank before tearing down: a rank that destroys the group while another is still connecting makes
+# that one's init fail ("Connection closed by peer"), and the group has no collective that works here.
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+store.add("finished", 1)
+while store.add("finished", 0) < dist.get_world_size():
+    time.sleep(0.01)
 dist.destroy_process_group()
 """
 
