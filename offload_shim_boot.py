@@ -48,7 +48,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["run"]:
         return run_command(argv[1:])
     try:
-        from offload_shim import _cli
+        with warnings.catch_warnings():  # a malformed variable is reported below, in one line (this process is ours)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            from offload_shim import _cli
     except ValueError as exc:  # offload_shim.ConfigError: a malformed OFFLOAD_SHIM* variable
         print(f"offload-shim: {exc}", file=sys.stderr)
         return 2

@@ -59,12 +59,33 @@ def _batch_wrapper(original):
 def _current(operation):
     """A copy of P2POp ``operation`` whose ``op`` is torch's ``isend`` or ``irecv`` as bound now: torch tells sends
     from receives by identity with its module's ``isend``, which install and uninstall rebind, so a P2POp made
-    before either would be taken for a receive."""
-    sends = getattr(operation.op, "__name__", "") == "isend"
+    before either would be taken for a receive. ``operation`` itself where its ``op`` is neither (torch decides)."""
+    kind = _kind(operation.op)
+    if kind is None:
+        return operation
     copy = object.__new__(type(operation))
     copy.__dict__.update(vars(operation))
-    copy.op = dist.distributed_c10d.isend if sends else dist.distributed_c10d.irecv
+    copy.op = getattr(dist.distributed_c10d, kind)
     return copy
+
+
+def _kind(op) -> str | None:
+    """``"isend"`` or ``"irecv"``: which of the two ``op`` is, whoever wrapped it (torch's decorators, the shim, a
+    user's patch with or without ``functools.wraps``): the two share a function on their ``__wrapped__`` chains."""
+    ops = _chain(op)
+    for kind in ("isend", "irecv"):
+        bound = _chain(getattr(dist.distributed_c10d, kind))
+        if any(a is b for a in ops for b in bound):
+            return kind
+    return None
+
+
+def _chain(function) -> list:
+    chain = []
+    while function is not None and not any(function is seen for seen in chain):
+        chain.append(function)
+        function = getattr(function, "__wrapped__", None)
+    return chain
 
 
 TARGETS = [

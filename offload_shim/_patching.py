@@ -127,6 +127,7 @@ def _apply(target: Target) -> None:
         _log.debug("offload_shim: %s.%s not present in this torch; not wrapped", target.module, target.name)
         return
     sites = [home] + [sys.modules[alias] for alias in target.aliases if alias in sys.modules]
+    reference = _named_parameters(reference, [_unwrap_ours(vars(site).get(target.name)) for site in sites], target)
     bindings: list[_Binding] = []
     for site in sites:
         value = _unwrap_ours(vars(site).get(target.name))
@@ -140,6 +141,34 @@ def _apply(target: Target) -> None:
             _rebind(target.name, value, wrapper)
         bindings.append(_Binding(target, value, wrapper, live))
     _applied[key] = bindings
+
+
+def _named_parameters(reference, values, target: Target):
+    """The function whose signature names the call's parameters, for the wrappers to find them by name: the first,
+    along each bound object's chain (``__wrapped__``, else a closure cell holding a function of the same name, as a
+    patch without ``functools.wraps`` holds what it calls), that takes more than ``*args, **kwargs``."""
+    import inspect
+
+    for value in values:
+        seen = []
+        while callable(value) and not any(value is s for s in seen):
+            seen.append(value)
+            try:
+                parameters = inspect.signature(value, follow_wrapped=False).parameters.values()
+            except (TypeError, ValueError):
+                parameters = ()
+            if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+                return value
+            inner = getattr(value, "__wrapped__", None)
+            if inner is None:
+                cells = getattr(value, "__closure__", None) or ()
+                inner = next((c.cell_contents for c in cells if getattr(c.cell_contents, "__name__", None) == target.name), None)
+            value = inner
+    _log.warning(
+        "offload_shim: %s.%s is bound to a wrapper that hides its parameters (no functools.wraps); calls that pass "
+        "tensors by position may not be staged", target.module, target.name,
+    )
+    return reference
 
 
 def _guarded(wrapper_fn, live: list):

@@ -133,7 +133,10 @@ def finish_writes_to(tensors) -> None:
     spans = [span for span in map(_span, tensors) if span is not None]
     for pending, finish in list(_pending.values()):
         if any(start < end_ and start_ < end for start, end in pending for start_, end_ in spans):
-            finish()
+            try:
+                finish()
+            except Exception:  # that call failed: its handle raises it where torch would, and it writes nothing
+                pass
 
 
 def needs_staging(value) -> bool:
@@ -261,7 +264,9 @@ class StagedWork(dist.Work):
         self._done = done
         self._error = error
         self._finished = False
-        self._lock = threading.Lock()
+        self._waited = 0  # how many of the works have been waited: a Gloo receive's wait() blocks if called again
+        self._wait_lock = threading.Lock()  # held while waiting works; never by a future's callback
+        self._finish_lock = threading.Lock()  # held while writing the results
         self._token = None
         if error is None:
             # Weakly: a handle the caller drops unwaited never writes (as documented) and holds nothing.
@@ -270,32 +275,40 @@ class StagedWork(dist.Work):
             weakref.finalize(self, written, self._token)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        def wait_works():
-            for work in self._works:
-                if timeout:
-                    work.wait(timeout)
-                else:
-                    work.wait()
+        if self._error is not None:
+            raise self._error
+        if self._finished:
+            return True
+        with self._wait_lock:
+            while self._waited < len(self._works):
+                work = self._works[self._waited]
+                try:
+                    work.wait(timeout) if timeout else work.wait()
+                except Exception as error:
+                    if not timeout:  # a timeout ends this wait only; the collective goes on, as with torch's
+                        self._fail(error)
+                    raise
+                self._waited += 1
+        return self._settle()
 
-        return self._settle(wait_works)
+    def _fail(self, error: Exception) -> None:
+        self._error = error
+        written(self._token)
 
-    def _settle(self, complete_works: Callable[[], None]) -> bool:
-        """Once: ``complete_works()`` (which raises a collective's error), then the copy back."""
-        with self._lock:
+    def _settle(self) -> bool:
+        """Once, after every work completed: write the results."""
+        with self._finish_lock:
             if self._error is not None:
                 raise self._error
-            if self._finished:  # torch's works are waited once: a Gloo receive's wait() blocks if called again
-                return True
-            try:
-                complete_works()
-                self._finish()
-            except Exception as error:
-                self._error = error
-                raise
-            finally:
+            if not self._finished:
+                try:
+                    self._finish()
+                except Exception as error:
+                    self._fail(error)
+                    raise
                 written(self._token)
-            self._finished = True
-            return True
+                self._finished = True
+        return True
 
     def synchronize(self) -> None:
         self.wait()
@@ -343,9 +356,16 @@ class StagedWork(dist.Work):
         done = torch.futures.Future()
 
         def finished(futures: torch.futures.Future) -> None:
-            # Runs where torch completes the last future (a backend's thread): nothing here may wait on a work.
+            # Runs where torch completes the last future (a backend's thread): it waits on no work, and takes no lock
+            # that a thread waiting on a work holds.
             try:
-                self._settle(lambda: [each.value() for each in futures.value()])  # raises a collective's error
+                for each in futures.value():
+                    try:
+                        each.value()  # the collective's error, as torch raised it
+                    except Exception as error:
+                        self._fail(error)
+                        raise
+                self._settle()
             except Exception as error:
                 done.set_exception(error)
             else:

@@ -98,12 +98,14 @@ def permutations() -> int:
 
 
 def wrapper_without_wraps() -> None:
-    wrapper = UserWrapper(dist, use_wraps=False)
-    offload_shim.install()
-    check_calls(True, [wrapper], "no functools.wraps")
-    offload_shim.uninstall()
-    assert dist.all_reduce is wrapper.function and c10d.all_reduce is TORCH_ALL_REDUCE
-    dist.all_reduce = TORCH_ALL_REDUCE
+    for modules in ([dist], [c10d, dist]):  # at the alias only; at the home and the alias (nothing names parameters)
+        wrappers = [UserWrapper(module, use_wraps=False) for module in modules]
+        offload_shim.install()
+        check_calls(True, wrappers, f"no functools.wraps on {[m.__name__ for m in modules]}")
+        offload_shim.uninstall()
+        assert all(w.module.all_reduce is w.function for w in wrappers)
+        for module in SPELLINGS.values():
+            module.all_reduce = TORCH_ALL_REDUCE
 
 
 def reloads() -> None:

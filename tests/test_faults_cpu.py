@@ -300,3 +300,100 @@ def test_buffers_outlive_no_group(fault_ranks):
         assert buffers == _pipeline.SLOTS  # one pool: two slots (the CPU staging device needs no bounce buffers)
         # A pool a group would be 2 chunks each round (160 MiB); allow one pool's worth of allocator noise.
         assert growth < 2 * chunk, growth
+
+
+# ---------------------------------------------------------------- handles used every way torch's are (adversarial trial)
+
+
+def check_future_and_wait_mixed(numel):
+    """get_future() then wait(), the peer late: torch's backend thread completes the future while the caller waits
+    (a lock held across both deadlocked), and a wait(timeout) that times out leaves the call going, as torch's."""
+    expected = _reference(torch.ones(numel), dist.all_reduce)
+    with staging_through_cpu(chunk_bytes=CHUNK if numel > 4 else 1 << 20):
+        tensor = torch.ones(numel)
+        if dist.get_rank() == 1:
+            time.sleep(0.5)
+        work = dist.all_reduce(tensor, async_op=True)
+        future = work.get_future()
+        assert work.wait() is True
+        assert future.wait()[0] is tensor and same_bits(tensor, expected)
+        tensor = torch.ones(numel)
+        if dist.get_rank() == 1:
+            time.sleep(1.0)
+        work = dist.all_reduce(tensor, async_op=True)
+        if dist.get_rank() == 0 and numel <= 4:  # a pipelined call on Gloo has waited its chunks at the call
+            with pytest.raises(RuntimeError):
+                work.wait(datetime.timedelta(milliseconds=100))
+            assert same_bits(tensor, torch.ones(numel))
+        assert work.wait() is True
+        assert same_bits(tensor, expected)
+
+
+@pytest.mark.parametrize("numel", [3, 40])
+def test_future_and_wait_mixed(gloo_ranks, numel):
+    gloo_ranks.run(check_future_and_wait_mixed, numel)
+
+
+def check_failed_handle_stays_with_its_handle():
+    """A failed async call left unwaited on rank 0 (its peer never joins): a later call on overlapping memory runs
+    normally; the old failure is raised by the old handle only."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    tensor = torch.ones(4)
+    with staging_through_cpu():
+        if dist.get_rank() == 0:
+            work = dist.all_reduce(tensor, group=group, async_op=True)
+            time.sleep(2)
+        view = tensor[1:3]
+        dist.all_reduce(view)
+        if dist.get_rank() == 0:
+            with pytest.raises(RuntimeError):
+                work.wait()
+    return tensor.tolist()
+
+
+def test_failed_handle_stays_with_its_handle(fault_ranks):
+    assert fault_ranks.run(check_failed_handle_stays_with_its_handle) == [[1.0, 2.0, 2.0, 1.0]] * 2
+
+
+def check_batch_with_user_patched_p2p(before_install):
+    """isend and irecv patched by someone else without functools.wraps, before or after install: a batch's sends
+    stay sends (the shim told them apart by name and turned every send into a receive)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    import offload_shim
+
+    originals = {m: (m.isend, m.irecv) for m in (c10d, dist)}
+
+    def patch():
+        isend, irecv = c10d.isend, c10d.irecv
+
+        def traced_isend(*args, **kwargs):
+            return isend(*args, **kwargs)
+
+        def traced_irecv(*args, **kwargs):
+            return irecv(*args, **kwargs)
+
+        for module in (c10d, dist):
+            module.isend, module.irecv = traced_isend, traced_irecv
+
+    offload_shim.uninstall()
+    try:
+        patch() if before_install else None
+        with staging_through_cpu():
+            patch() if not before_install else None
+            rank, world = dist.get_rank(), dist.get_world_size()
+            send, receive = torch.full((4,), float(rank + 1)), torch.zeros(4)
+            ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, receive, (rank - 1) % world)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return receive.tolist()
+    finally:
+        offload_shim.uninstall()
+        for module, (isend, irecv) in originals.items():
+            module.isend, module.irecv = isend, irecv
+        offload_shim.install()
+
+
+@pytest.mark.parametrize("before_install", [True, False])
+def test_batch_with_user_patched_p2p(fault_ranks, before_install):
+    assert fault_ranks.run(check_batch_with_user_patched_p2p, before_install) == [[2.0] * 4, [1.0] * 4]
