@@ -28,8 +28,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out")
     args = parser.parse_args()
-    dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))  # NCCL only
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)  # NCCL only: CPU tensors are staged
     offload_shim.install()
     chunk = _config.settings().chunk_bytes
     tensor = torch.ones(2 * chunk // 4).pin_memory()
