@@ -66,8 +66,10 @@ def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     layouts). Keeping channels_last would not do: where one rank's tensor is empty (contiguous in every format)
     and another's is not, a check the others fail would leave that rank waiting.
 
-    Differentiable (``Tensor.to``), so functional collectives keep their autograd graph.
+    Differentiable (``Tensor.to``), so functional collectives keep their autograd graph. Reads ``tensor`` after
+    any outstanding staged call that writes it has written it (:func:`finish_writes_to`).
     """
+    finish_writes_to([tensor])
     if device.type == "cpu":
         return tensor.clone(memory_format=torch.contiguous_format)
     # Pinned: an asynchronous DMA. Pageable: the runtime's own staged copy, measured faster than a copy into
@@ -172,11 +174,11 @@ class StagedArguments:
             return type(value)(self.stage(v, reads, writes) for v in value)
         if not needs_staging(value):
             return value
-        finish_writes_to([value])
         with torch.no_grad():
             if reads:
                 staged = to_staging(value, self.device)
             else:
+                finish_writes_to([value])  # written after what an outstanding call writes there
                 staged = torch.empty(value.shape, dtype=value.dtype, device=self.device)
         if writes:
             self._written.append((value, staged))

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from bitwise import same_bits
 from observe import configured
@@ -86,6 +87,14 @@ def check_outstanding_calls_on_one_tensor(numel, wait_order):
         dist.all_reduce(other)
         work.wait()
     assert same_bits(other, expected)
+    # A functional collective reads it after the outstanding call too.
+    third = rank_input((numel,), torch.float32, seed=5)
+    expected = _reference(third, dist.all_reduce, dist.all_reduce)
+    with staging_through_cpu(chunk_bytes=CHUNK):
+        work = dist.all_reduce(third, async_op=True)
+        result = funcol.all_reduce(third, "sum", dist.group.WORLD)
+        work.wait()
+    assert same_bits(result, expected)
 
 
 @pytest.mark.parametrize("numel", [3, 40])
