@@ -437,18 +437,29 @@ def test_requires_grad_tensors(gloo_ranks, chunk_bytes):
 
 
 def check_non_dense_views():
-    """Views that are not dense (stepped slices, a column): the staged copy is contiguous, which backends
-    need (NCCL refuses other strides; Gloo computes wrong values on non-dense views)."""
+    """Views that are not dense (stepped slices, a column), whole and pipelined: the staged copy is contiguous,
+    which backends need (NCCL refuses other strides; Gloo computes wrong values on non-dense views and writes outside
+    them); only the view's elements are written."""
     full = rank_input((6, 7), torch.float32, seed=23)
     expected = full.clone()
     dist.all_reduce(expected)  # a contiguous tensor: right on Gloo
-    for index in ((slice(None, None, 2), slice(1, None, 3)), (slice(None), 2), (slice(1, 4), slice(2, 5))):
-        holder = full.clone()
-        with staging_through_cpu():
-            dist.all_reduce(holder[index])
-        want = full.clone()
-        want[index] = expected[index]
-        assert same_bits(holder, want), index
+    for chunk_bytes in (1 << 20, 8):  # staged whole; pipelined through a contiguous host copy
+        for index in ((slice(None, None, 2), slice(1, None, 3)), (slice(None), 2), (slice(1, 4), slice(2, 5))):
+            holder = full.clone()
+            with staging_through_cpu(chunk_bytes=chunk_bytes):
+                dist.all_reduce(holder[index])
+            want = full.clone()
+            want[index] = expected[index]
+            assert same_bits(holder, want), (chunk_bytes, index)
+    # An expanded (stride 0) input is read as its logical values, as from a contiguous copy (torch's own Gloo path
+    # reads past its memory).
+    expanded = torch.tensor([float(dist.get_rank() + 1)]).expand(5)
+    want = [torch.zeros(5) for _ in range(dist.get_world_size())]
+    dist.all_gather(want, expanded.contiguous())
+    got = [torch.zeros(5) for _ in range(dist.get_world_size())]
+    with staging_through_cpu():
+        dist.all_gather(got, expanded)
+    assert all(same_bits(g, w) for g, w in zip(got, want))
 
 
 def test_non_dense_views(gloo_ranks):
