@@ -53,8 +53,7 @@ def dash_m(*args, env=None):
 @pytest.mark.parametrize("command", [cli, dash_m], ids=["offload-shim", "python -m offload_shim"])
 @pytest.mark.parametrize(
     "variable, value, message",
-    [("OFFLOAD_SHIM_STAGING_DEVICE", "banana", "is not a device"), ("OFFLOAD_SHIM", "maybe", "is not a boolean"),
-     ("OFFLOAD_SHIM_CHUNK_BYTES", "abc", "is not a size")],
+    [("OFFLOAD_SHIM", "maybe", "is not a boolean"), ("OFFLOAD_SHIM_CHUNK_BYTES", "abc", "is not a size")],
 )
 def test_info_reports_a_malformed_setting_as_a_message(command, variable, value, message):
     """Both spellings: one line naming the variable, exit status 2, no traceback, no warning (with OFFLOAD_SHIM
