@@ -40,6 +40,10 @@ __all__ = [
 
 logging.getLogger("offload_shim").addHandler(logging.NullHandler())
 
+# Public exceptions under their public path: tracebacks print offload_shim.StagingError, and pickles (errors sent
+# between processes) name what users import.
+StagingError.__module__ = ConfigError.__module__ = __name__
+
 
 def _targets():
     from offload_shim import _patch_c10d, _patch_c10d_lists, _patch_dtensor, _patch_functional, _patch_p2p

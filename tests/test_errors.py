@@ -78,3 +78,16 @@ def test_configured_accelerator_that_is_absent(accelerator_only_ranks):
     for rank, text in enumerate(errors):
         assert text.startswith(f"{rank}: StagingError: offload_shim: torch.distributed.all_reduce got a tensor on cpu")
         assert "the configured staging device 'cuda:0'" in text
+
+
+def test_public_exceptions_have_public_paths():
+    import pickle
+    import traceback
+
+    import offload_shim
+
+    for error_type in (offload_shim.StagingError, offload_shim.ConfigError):
+        assert error_type.__module__ == "offload_shim"
+        error = pickle.loads(pickle.dumps(error_type("message")))
+        assert type(error) is error_type and str(error) == "message"
+        assert f"offload_shim.{error_type.__name__}: message" in "".join(traceback.format_exception_only(error))
