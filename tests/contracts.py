@@ -313,13 +313,14 @@ def _launch(call: Call, make: _Tensors, async_op: bool):
         return None, [funcol.all_reduce(make(shape, 0), reduce, group)]
     if op == "funcol.broadcast":
         return None, [funcol.broadcast(make(shape, 0), call.root, group)]
-    if op == "funcol.all_gather_tensor":
-        return None, [funcol.all_gather_tensor(make(shape, 0), 0, group)]
-    if op == "funcol.reduce_scatter_tensor":
-        return None, [funcol.reduce_scatter_tensor(make((W * shape[0], *rest), 0), reduce, 0, group)]
-    if op == "funcol.all_to_all_single":
+    function = getattr(funcol, op.removeprefix("funcol."), None)  # a plain form and its _autograd twin alike
+    if op in ("funcol.all_gather_tensor", "funcol.all_gather_tensor_autograd"):
+        return None, [function(make(shape, 0), 0, group)]
+    if op in ("funcol.reduce_scatter_tensor", "funcol.reduce_scatter_tensor_autograd"):
+        return None, [function(make((W * shape[0], *rest), 0), reduce, 0, group)]
+    if op in ("funcol.all_to_all_single", "funcol.all_to_all_single_autograd"):
         send, receive = list(call.splits[rank]), [call.splits[i][rank] for i in range(W)]
-        return None, [funcol.all_to_all_single(make((sum(send), *rest), 0), receive, send, group)]
+        return None, [function(make((sum(send), *rest), 0), receive, send, group)]
     if op == "funcol.permute_tensor":
         return None, [funcol.permute_tensor(make(shape, 0), [(r + 1) % W for r in range(W)], group)]
     if op == "funcol.all_reduce_coalesced":
@@ -329,13 +330,6 @@ def _launch(call: Call, make: _Tensors, async_op: bool):
     if op == "funcol.reduce_scatter_tensor_coalesced":
         inputs = [make((W * shape[0], *rest), 0), make((W * shape[0], *rest), 1)]
         return None, funcol.reduce_scatter_tensor_coalesced(inputs, reduce, [0, 0], group)
-    if op == "funcol.all_gather_tensor_autograd":
-        return None, [funcol.all_gather_tensor_autograd(make(shape, 0), 0, group)]
-    if op == "funcol.reduce_scatter_tensor_autograd":
-        return None, [funcol.reduce_scatter_tensor_autograd(make((W * shape[0], *rest), 0), reduce, 0, group)]
-    if op == "funcol.all_to_all_single_autograd":
-        send, receive = list(call.splits[rank]), [call.splits[i][rank] for i in range(W)]
-        return None, [funcol.all_to_all_single_autograd(make((sum(send), *rest), 0), receive, send, group)]
     raise AssertionError(op)
 
 

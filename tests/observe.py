@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 
 import offload_shim
 
@@ -47,3 +48,9 @@ def configured(**settings):
         yield
     finally:
         offload_shim.configure(**dataclasses.asdict(previous))
+
+
+def rss_bytes() -> int:
+    """This process's resident host memory, in bytes (Linux)."""
+    with open(f"/proc/{os.getpid()}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

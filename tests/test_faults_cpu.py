@@ -6,7 +6,6 @@ to torch on a contiguous copy."""
 from __future__ import annotations
 
 import datetime
-import os
 import time
 
 import pytest
@@ -15,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from bitwise import same_bits
-from observe import configured
+from observe import configured, rss_bytes
 from offload_shim import StagingError, _pipeline
 from ranks import RankPool
 from test_staging_cpu import rank_input, staging_through_cpu
@@ -277,11 +276,6 @@ def test_ranks_disagree(fault_ranks, what, message):
 # ---------------------------------------------------------------- staging buffers and process group lifetimes
 
 
-def _rss_bytes() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def check_buffers_outlive_no_group(rounds):
     """Groups made, used once with a pipelined tensor and destroyed, in a loop: the staging buffers stay as they
     were after the first round (they belong to no group), and so does the process's memory."""
@@ -295,10 +289,10 @@ def check_buffers_outlive_no_group(rounds):
 
     with staging_through_cpu(chunk_bytes=chunk):
         once()
-        buffers, rss = len(_pipeline.pooled_buffers()), _rss_bytes()
+        buffers, rss = len(_pipeline.pooled_buffers()), rss_bytes()
         for _ in range(rounds):
             once()
-        growth = _rss_bytes() - rss
+        growth = rss_bytes() - rss
         assert len(_pipeline.pooled_buffers()) == buffers, (buffers, len(_pipeline.pooled_buffers()))
     return buffers, growth
 

@@ -6,7 +6,6 @@ Run: ``python -m pytest -o addopts="" -m gpu -s tests/test_gpu_faults.py``."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 import offload_shim
 from bitwise import same_bits
-from observe import configured
+from observe import configured, rss_bytes
 from offload_shim import StagingError, _pipeline
 
 pytestmark = [
@@ -117,11 +116,6 @@ def test_ranks_disagree(accelerator_ranks):
     accelerator_ranks.run(check_ranks_disagree)
 
 
-def _rss_bytes() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def check_groups_made_and_destroyed(rounds):
     """A group per iteration, as RL trainers make one per weight sync: used once with a 40 MiB pinned tensor and
     destroyed. Accelerator and host memory stay flat after the first round."""
@@ -135,11 +129,11 @@ def check_groups_made_and_destroyed(rounds):
         dist.destroy_process_group(group)
 
     once()
-    device_bytes, rss, buffers = torch.cuda.memory_allocated(), _rss_bytes(), len(_pipeline.pooled_buffers())
+    device_bytes, rss, buffers = torch.cuda.memory_allocated(), rss_bytes(), len(_pipeline.pooled_buffers())
     for _ in range(rounds):
         once()
     grown_device = torch.cuda.memory_allocated() - device_bytes
-    grown_host = _rss_bytes() - rss
+    grown_host = rss_bytes() - rss
     assert len(_pipeline.pooled_buffers()) == buffers
     assert grown_device == 0, grown_device
     return {"rounds": rounds, "pool buffers": buffers, "device bytes grown": grown_device, "host RSS grown": grown_host,
