@@ -39,14 +39,14 @@ def main() -> None:
     times = {"check": [], "all_reduce": []}
     for _ in range(5):  # warm up: communicators, pools
         dist.all_reduce(tensor)
-        _pipeline._agree(group, device, "torch.distributed.all_reduce", flat, chunk)
+        _pipeline._agree(group, device, "torch.distributed.all_reduce", flat.numel(), flat.dtype, chunk)
     for index in range(2 * args.repeats):
         side = ("check", "all_reduce")[(index + index // 2) % 2]  # alternate, in blocks that swap order
         dist.barrier()
         torch.cuda.synchronize()
         start = time.perf_counter()
         if side == "check":
-            _pipeline._agree(group, device, "torch.distributed.all_reduce", flat, chunk)
+            _pipeline._agree(group, device, "torch.distributed.all_reduce", flat.numel(), flat.dtype, chunk)
         else:
             dist.all_reduce(tensor)
         times[side].append(time.perf_counter() - start)

@@ -180,11 +180,14 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _agree(group: dist.ProcessGroup, device: torch.device, collective: str, flat: torch.Tensor, chunk_bytes: int):
-    """Check that every rank of ``group`` runs ``collective`` on as many elements of the same dtype with the same
-    chunk size, so that all split it into the same collectives. Raises :class:`StagingError` on every rank where
-    they differ, before any chunk's collective. Costs one small collective and one wait for its result."""
-    mine = torch.tensor([flat.numel(), chunk_bytes, _code(str(flat.dtype)), _code(collective)], dtype=torch.int64)
+def _agree(
+    group: dist.ProcessGroup, device: torch.device, collective: str, numel: int, dtype: torch.dtype, chunk_bytes: int
+):
+    """Check that every rank of ``group`` runs ``collective`` on ``numel`` elements (a size every rank shares: the
+    tensor's, or a DTensor's global size) of ``dtype`` with the same chunk size, so that all split it into the same
+    collectives. Raises :class:`StagingError` on every rank where they differ, before any chunk's collective. Costs
+    one small collective and one wait for its result."""
+    mine = torch.tensor([numel, chunk_bytes, _code(str(dtype)), _code(collective)], dtype=torch.int64)
     both = torch.cat([mine, -mine]).to(device)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
@@ -195,11 +198,11 @@ def _agree(group: dist.ProcessGroup, device: torch.device, collective: str, flat
         return
     what = []
     if high[0] != low[0]:
-        what.append(f"sizes from {low[0]} to {high[0]} elements (this rank: {flat.numel()})")
+        what.append(f"sizes from {low[0]} to {high[0]} elements (this rank: {numel})")
     if high[1] != low[1]:
         what.append(f"chunk sizes from {low[1]} to {high[1]} bytes (set {_config.ENV_CHUNK_BYTES} alike on every rank)")
     if high[2] != low[2]:
-        what.append(f"dtypes (this rank: {flat.dtype})")
+        what.append(f"dtypes (this rank: {dtype})")
     if high[3] != low[3]:
         what.append(f"collectives (this rank: {collective})")
     raise StagingError(
@@ -319,7 +322,7 @@ def _run_chunks(pool, source, target, launch, group, collective, *, reads, write
                     pool.host_in_free[s] = pool.h2d.record_event()
             if index == 0:  # behind the first chunk's H2D
                 try:
-                    _agree(group, device, collective, source, pool.chunk_bytes)
+                    _agree(group, device, collective, source.numel(), source.dtype, pool.chunk_bytes)
                 except StagingError:
                     raise
                 except Exception as exc:  # the backend failed (a peer gone, a timeout): as in a chunk's wait()
