@@ -1,16 +1,32 @@
-"""Staging benchmark, on two accelerators of one host: one process run, so that ratios hold.
+"""Staging benchmark, on two accelerators of one host: every figure and its references in one process run, so
+that ratios hold.
 
     torchrun --nproc_per_node 2 benchmarks/bench_staging.py --out DIR [--quick]
+    torchrun --nproc_per_node 2 benchmarks/bench_staging.py --out DIR --smoke     # CPU only: Gloo, tiny sizes
 
-For all_reduce and broadcast of CPU tensors from 4 KiB to 1 GiB (pinned and pageable, fp32 and bf16) it times
-four routes: Gloo (a ``cpu:gloo,cuda:nccl`` group, no shim), naive staging (H2D, collective, D2H one after the
-other, fresh buffers each call), offload_shim (NCCL-only group), and the same collective on a GPU-resident tensor
-(NCCL); and full_tensor of an FSDP2-offloaded 512 MiB weight by Gloo, naive staging, offload_shim (on the
-NCCL-only group, and routed on the Gloo group) and GPU-resident. The floor is the tensor's bytes over the pinned
-H2D bandwidth measured in this run. Also: chunk-size sweep, pageable paths, routing crossover, and the peak extra
-accelerator memory of a staged call. Timings: host clock around calls that are complete on return (a staged
-result is on the host), after a barrier, warm-up first, median of repeats.
+Sections (``kind`` of each JSON record):
 
+* ``copy_limits``: pinned H2D and D2H of 256 MiB on both ranks at once (the floor: bytes over that H2D
+  bandwidth), both directions at once on both ranks (the duplex limit an all_reduce cannot beat), and the same
+  DMA with the host copies that pageable memory needs beside it, on the copy threads (the pageable limit).
+* ``small``: per-call latency of a 0-dim fp32 SUM and a 1-element int8 MIN all_reduce of a pageable CPU tensor:
+  offload_shim on a NCCL-only group, staging by hand (``t.to(dev)``, all_reduce, copy back), Gloo
+  (``cpu:gloo,cuda:nccl``, no shim), and the GPU-resident call followed by a stream sync.
+* ``served``: CPU time the wrappers add to calls that need no staging: alternating blocks with the shim installed
+  and uninstalled in this process, the calling thread's CPU time per call, each side's minimum.
+* ``pageable``: all_reduce of 256 MiB pageable fp32 (threaded bounce buffers, the runtime's staged copy, pinned,
+  staging by hand) against the floor and the pageable limit; and how soon ``async_op=True`` returns.
+* ``full_tensor``: an FSDP2-offloaded 512 MiB weight (and one with uneven shards): Gloo, staging by hand,
+  offload_shim, GPU-resident; peak extra accelerator memory in chunks.
+* ``weight_sync``: an RL weight sync of a 4 GiB bf16 FSDP2-offloaded model (every parameter: ``full_tensor()``,
+  then ``broadcast`` of the full CPU tensor from rank 0), offload_shim against Gloo and against copying the model's
+  bytes once each way.
+* ``duplex``: pinned all_reduce against the duplex limit and the floor.
+* ``collective``: all_reduce and broadcast by size, pinned and pageable, four routes (the earlier table).
+* ``peak_memory``, ``routing``, ``chunk_sweep``: staging memory, the Gloo/NCCL crossover, chunk sizes.
+
+Timings: host clock around calls that are complete on return (a staged result is on the host), after a barrier,
+routes alternating round by round, each route's minimum over rounds; every rank reports the slowest rank's figure.
 Rank 0 prints a table and writes DIR/bench.json and DIR/bench.png.
 """
 
@@ -19,119 +35,249 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
 import offload_shim
-from offload_shim import _pipeline
+from offload_shim import _config, _pipeline
 
 MiB = 1 << 20
 
 
-def human(nbytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes} B"
-
-
 class Bench:
-    def __init__(self, device, quick):
+    def __init__(self, device: torch.device, quick: bool, smoke: bool, groups: dict):
         self.device = device
-        self.quick = quick
+        self.quick = quick or smoke
+        self.smoke = smoke
         self.rank = dist.get_rank()
+        self.groups = groups  # "nccl": serves the accelerator only; "gloo": cpu:gloo plus the accelerator's backend
         self.records = []
 
-    def sync(self):
-        torch.accelerator.synchronize()
+    def sync(self) -> None:
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
 
-    def time(self, fn, nbytes, group=None) -> float:
-        """Median seconds of fn() over repeats (after warm-up), each started after a barrier."""
-        repeats = 3 if nbytes >= 256 * MiB else 7 if nbytes >= 16 * MiB else 21
+    def slowest(self, value: float) -> float:
+        """The largest of every rank's ``value``."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups["nccl"])
+        return t.item()
+
+    def compare(self, routes: dict, rounds: int, calls: int = 1) -> dict:
+        """Seconds per call of each route: ``routes`` maps a name to ``(shim_installed, fn)``; each round times
+        ``calls`` calls of every route (in alternating order, shim installed as asked, after a barrier), and
+        each route's minimum over rounds is kept (the first round is warm-up)."""
+        best = {name: float("inf") for name in routes}
+        names = list(routes)
+        for round_ in range(rounds + 1):
+            for name in names if round_ % 2 else names[::-1]:
+                installed, fn = routes[name]
+                offload_shim.install() if installed else offload_shim.uninstall()
+                dist.barrier(group=self.groups["nccl"])
+                self.sync()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                self.sync()
+                if round_:
+                    best[name] = min(best[name], (time.perf_counter() - start) / calls)
+        offload_shim.install()
+        return {name: self.slowest(seconds) for name, seconds in best.items()}
+
+    def rounds(self, nbytes: int) -> int:
         if self.quick:
-            repeats = min(repeats, 3)
-        times = []
-        for i in range(repeats + 1):
-            dist.barrier(group=group)
-            self.sync()
-            start = time.perf_counter()
-            fn()
-            self.sync()
-            if i:  # the first run is warm-up
-                times.append(time.perf_counter() - start)
-        # every rank reports the slowest rank's median
-        median = torch.tensor([statistics.median(times)], device=self.device)
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)
-        return median.item()
+            return 2 if nbytes >= 256 * MiB else 3
+        return 3 if nbytes >= 1 << 30 else 5 if nbytes >= 256 * MiB else 9
 
-    def record(self, **fields):
+    def record(self, **fields) -> None:
         self.records.append(fields)
         if self.rank == 0:
             print(json.dumps(fields), flush=True)
 
 
-def host_tensor(numel, dtype, pinned, fill):
+def host_tensor(numel: int, dtype: torch.dtype, pinned: bool, fill=1) -> torch.Tensor:
     t = torch.empty(numel, dtype=dtype, pin_memory=pinned)
-    t.fill_(fill)
+    t.fill_(fill)  # touched: fresh host memory is slow the first time
     return t
 
 
-def measure_h2d(bench, nbytes=256 * MiB):
-    src = host_tensor(nbytes // 4, torch.float32, True, 1.0)
-    dst = torch.empty_like(src, device=bench.device)
-    seconds = bench.time(lambda: dst.copy_(src, non_blocking=True), nbytes)
-    src_pageable = host_tensor(nbytes // 4, torch.float32, False, 1.0)
-    seconds_pageable = bench.time(lambda: dst.copy_(src_pageable), nbytes)
-    d2h = bench.time(lambda: src.copy_(dst, non_blocking=True), nbytes)
-    d2h_pageable = bench.time(lambda: src_pageable.copy_(dst), nbytes)
-    bandwidth = {
-        "h2d_pinned_GBps": nbytes / seconds / 1e9,
-        "h2d_pageable_GBps": nbytes / seconds_pageable / 1e9,
-        "d2h_pinned_GBps": nbytes / d2h / 1e9,
-        "d2h_pageable_GBps": nbytes / d2h_pageable / 1e9,
-    }
-    # Both directions at once, on both ranks: what an all_reduce staged through pinned memory must move.
-    h2d, d2h_stream = torch.Stream(device=bench.device), torch.Stream(device=bench.device)
-    back = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)  # empty_like would not pin it
-    dst2 = torch.empty_like(dst)
+def _streams(bench):
+    if bench.device.type == "cpu":
+        return None, None
+    return torch.Stream(device=bench.device), torch.Stream(device=bench.device)
+
+
+def _on(stream):
+    return _pipeline._current(stream if stream is not None else _pipeline._NoStream())
+
+
+def copy_limits(bench, nbytes: int) -> dict:
+    pinned = bench.device.type != "cpu"
+    src = host_tensor(nbytes // 4, torch.float32, pinned)
+    back = host_tensor(nbytes // 4, torch.float32, pinned)
+    dst, dst2 = torch.empty_like(src, device=bench.device), torch.empty_like(src, device=bench.device)
+    pageable_in, pageable_out = host_tensor(nbytes // 4, torch.float32, False), host_tensor(nbytes // 4, torch.float32, False)
+    bounce_in, bounce_out = host_tensor(nbytes // 4, torch.float32, pinned), host_tensor(nbytes // 4, torch.float32, pinned)
+    h2d, d2h = _streams(bench)
 
     def duplex():
-        with torch.cuda.stream(h2d):
+        with _on(h2d):
             dst.copy_(src, non_blocking=True)
-        with torch.cuda.stream(d2h_stream):
+        with _on(d2h):
             back.copy_(dst2, non_blocking=True)
 
-    bandwidth["duplex_seconds"] = bench.time(duplex, nbytes)
-    bench.record(kind="copy_bandwidth", bytes=nbytes, **bandwidth)
-    return bandwidth["h2d_pinned_GBps"] * 1e9
+    def pageable_limit():  # the DMA of a pipelined all_reduce, and beside it the host copies pageable memory adds
+        duplex()
+        _pipeline._host_copies([(bounce_in, pageable_in), (pageable_out, bounce_out)])
+
+    def only_h2d():
+        with _on(h2d):
+            dst.copy_(src, non_blocking=True)
+
+    def only_d2h():
+        with _on(d2h):
+            back.copy_(dst2, non_blocking=True)
+
+    def host_copies():
+        _pipeline._host_copies([(bounce_in, pageable_in), (pageable_out, bounce_out)])
+
+    times = bench.compare({"h2d": (False, only_h2d), "d2h": (False, only_d2h), "duplex": (False, duplex),
+                           "host_copies": (False, host_copies), "pageable_limit": (False, pageable_limit)}, 8)
+    result = {"bytes": nbytes, "copy_threads": _pipeline.copy_threads(),
+              "h2d_GBps": nbytes / times["h2d"] / 1e9, "d2h_GBps": nbytes / times["d2h"] / 1e9,
+              **{f"{k}_seconds": v for k, v in times.items()}}
+    bench.record(kind="copy_limits", **result)
+    return result
 
 
-def collective_routes(bench, op, nbytes, dtype, pinned, nccl_group, gloo_group):
-    numel = nbytes // dtype.itemsize
-    t = host_tensor(numel, dtype, pinned, 1.0)
-    call = (lambda x, g: dist.all_reduce(x, group=g)) if op == "all_reduce" else (lambda x, g: dist.broadcast(x, src=0, group=g))
-    results = {}
-    offload_shim.uninstall()
-    results["gloo"] = bench.time(lambda: call(t, gloo_group), nbytes, nccl_group)
+def small_calls(bench) -> None:
+    """Per-call latency of small staged all_reduces against Gloo, staging by hand, and GPU-resident."""
+    nccl, gloo = bench.groups["nccl"], bench.groups["gloo"]
+    calls = 20 if bench.smoke else 200
+    for name, tensor, op in (("0-dim fp32 SUM", torch.zeros(()), dist.ReduceOp.SUM),
+                             ("1-element int8 MIN flag", torch.ones(1, dtype=torch.int8), dist.ReduceOp.MIN)):
+        resident = tensor.to(bench.device)
 
-    def naive():
-        staged = t.to(bench.device, non_blocking=pinned)
-        call(staged, nccl_group)
-        t.copy_(staged, non_blocking=pinned)
-        torch.accelerator.synchronize()
+        def hand():
+            staged = tensor.to(bench.device)
+            dist.all_reduce(staged, op=op, group=nccl)
+            tensor.copy_(staged)
 
-    results["naive"] = bench.time(naive, nbytes, nccl_group)
-    gpu = torch.ones(numel, dtype=dtype, device=bench.device)
-    results["gpu_resident"] = bench.time(lambda: call(gpu, nccl_group), nbytes, nccl_group)
-    offload_shim.install()
-    results["offload_shim"] = bench.time(lambda: call(t, nccl_group), nbytes, nccl_group)
-    return results
+        def gpu_resident():
+            dist.all_reduce(resident, op=op, group=nccl)
+            bench.sync()
+
+        times = bench.compare({
+            "offload_shim": (True, lambda: dist.all_reduce(tensor, op=op, group=nccl)),
+            "hand_staging": (False, hand),
+            "gloo": (False, lambda: dist.all_reduce(tensor, op=op, group=gloo)),
+            "gpu_resident": (False, gpu_resident),
+        }, rounds=5 if bench.quick else 15, calls=calls)
+        bench.record(kind="small", case=name, calls_per_round=calls, **{f"{k}_seconds": v for k, v in times.items()})
+
+
+def served_path(bench) -> None:
+    """CPU time the wrappers add to calls that need no staging (shim installed against uninstalled)."""
+    nccl, gloo = bench.groups["nccl"], bench.groups["gloo"]
+    gpu = torch.ones(1, device=bench.device)
+    gathered = torch.empty(dist.get_world_size(), device=bench.device)
+    host = torch.ones(1)
+    cases = {
+        "all_reduce, accelerator tensor": lambda: dist.all_reduce(gpu, group=nccl),
+        "all_gather_into_tensor, accelerator tensors": lambda: dist.all_gather_into_tensor(gathered, gpu, group=nccl),
+        "all_reduce, CPU tensor on a group that serves CPU": lambda: dist.all_reduce(host, group=gloo),
+    }
+    calls, rounds = (50, 3) if bench.smoke else (500, 20)
+    for name, fn in cases.items():
+        best = {True: float("inf"), False: float("inf")}
+        for round_ in range(rounds + 1):
+            for installed in (True, False) if round_ % 2 else (False, True):
+                offload_shim.install() if installed else offload_shim.uninstall()
+                dist.barrier(group=nccl)
+                bench.sync()
+                start = time.thread_time()
+                for _ in range(calls):
+                    fn()
+                per_call = (time.thread_time() - start) / calls
+                bench.sync()
+                if round_:
+                    best[installed] = min(best[installed], per_call)
+        offload_shim.install()
+        on, off = bench.slowest(best[True]), bench.slowest(best[False])
+        bench.record(kind="served", case=name, calls_per_round=calls, rounds=rounds, shim_on_cpu_seconds=on,
+                     shim_off_cpu_seconds=off, added_cpu_seconds=on - off)
+
+
+def pageable(bench, nbytes: int, limits: dict, floor_bandwidth: float) -> None:
+    nccl = bench.groups["nccl"]
+    t = host_tensor(nbytes // 4, torch.float32, False)
+    pinned = host_tensor(nbytes // 4, torch.float32, bench.device.type != "cpu")
+
+    def with_path(path):
+        def run():
+            _pipeline.PAGEABLE_PATH = path
+            try:
+                dist.all_reduce(t, group=nccl)
+            finally:
+                _pipeline.PAGEABLE_PATH = default
+        return run
+
+    default = _pipeline.PAGEABLE_PATH
+
+    def hand():
+        staged = t.to(bench.device)
+        dist.all_reduce(staged, group=nccl)
+        t.copy_(staged)
+
+    times = bench.compare({
+        "offload_shim_bounce": (True, with_path("bounce")),
+        "offload_shim_driver": (True, with_path("driver")),
+        "offload_shim_pinned": (True, lambda: dist.all_reduce(pinned, group=nccl)),
+        "hand_staging": (False, hand),
+    }, bench.rounds(nbytes))
+    returned, done = float("inf"), float("inf")
+    for _ in range(bench.rounds(nbytes) + 1):
+        dist.barrier(group=nccl)
+        bench.sync()
+        start = time.perf_counter()
+        work = dist.all_reduce(t, group=nccl, async_op=True)
+        back = time.perf_counter() - start
+        work.wait()
+        bench.sync()
+        returned, done = min(returned, back), min(done, time.perf_counter() - start)
+    floor = nbytes / floor_bandwidth
+    bench.record(kind="pageable", op="all_reduce", bytes=nbytes, floor_seconds=floor,
+                 pageable_limit_seconds=limits["pageable_limit_seconds"], duplex_seconds=limits["duplex_seconds"],
+                 async_returned_seconds=bench.slowest(returned), async_done_seconds=bench.slowest(done),
+                 **{f"{k}_seconds": v for k, v in times.items()})
+
+
+def _offload_policy(mesh):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")  # no pinned memory without an accelerator
+
+
+def _offloaded_linear(mesh, rows: int, cols: int, dtype=torch.float32, offload=True):
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.utils.skip_init(torch.nn.Linear, cols, rows, bias=False, dtype=dtype)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    if offload:
+        fully_shard(model, mesh=mesh, offload_policy=_offload_policy(mesh))
+    else:
+        model.to(mesh.device_type)
+        fully_shard(model, mesh=mesh)
+    return model
 
 
 def peak_extra_memory(bench, fn) -> int:
+    if bench.device.type == "cpu":
+        fn()
+        return 0
     _pipeline.release_buffers()
     bench.sync()
     torch.cuda.reset_peak_memory_stats(bench.device)
@@ -141,133 +287,218 @@ def peak_extra_memory(bench, fn) -> int:
     return torch.cuda.max_memory_allocated(bench.device) - before
 
 
-def full_tensor_routes(bench, nccl_group, gloo_group):
+def full_tensor(bench, floor_bandwidth: float) -> None:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    nbytes = 512 * MiB
-    results = {}
-    weights = {}
-    for name, group in (("nccl_only", nccl_group), ("gloo", gloo_group)):
-        # distinct dim names: DeviceMesh equality ignores process groups
-        mesh = DeviceMesh.from_group(group, bench.device.type, mesh_dim_names=(name,))
-        model = torch.nn.Linear(16384, 8192, bias=False)  # 8192 x 16384 fp32 = 512 MiB
-        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
-        weights[name] = model.weight
-    offload_shim.uninstall()
-    results["gloo"] = bench.time(lambda: weights["gloo"].full_tensor(), nbytes)
+    kind = bench.device.type
+    rows, cols = (64, 32) if bench.smoke else (8192, 16384)  # 512 MiB fp32
+    for label, n in (("even", rows), ("uneven", rows - 1)):
+        meshes = {name: DeviceMesh.from_group(bench.groups[name], kind, mesh_dim_names=(f"{name}_{label}",))
+                  for name in ("nccl", "gloo")}
+        weights = {name: _offloaded_linear(mesh, n, cols).weight for name, mesh in meshes.items()}
+        nbytes = n * cols * 4
 
-    def naive():
-        w = weights["nccl_only"]
-        staged = DTensor.from_local(w.to_local().to(bench.device), w.device_mesh, w.placements, run_check=False)
-        staged.full_tensor().cpu()
+        def hand():
+            w = weights["nccl"]
+            staged = DTensor.from_local(w.to_local().to(bench.device), w.device_mesh, w.placements, run_check=False,
+                                        shape=w.shape, stride=w.stride())
+            staged.full_tensor().cpu()
 
-    results["naive"] = bench.time(naive, nbytes)
-    gpu_mesh = DeviceMesh.from_group(nccl_group, bench.device.type, mesh_dim_names=("gpu",))
-    gpu_model = torch.nn.Linear(16384, 8192, bias=False)
-    fully_shard(gpu_model, mesh=gpu_mesh)
-    results["gpu_resident"] = bench.time(lambda: gpu_model.weight.full_tensor(), nbytes)
-    offload_shim.install()
-    results["offload_shim"] = bench.time(lambda: weights["nccl_only"].full_tensor(), nbytes)
-    results["offload_shim_routed_off_gloo"] = bench.time(lambda: weights["gloo"].full_tensor(), nbytes)
-    results["peak_extra_bytes_offload_shim"] = peak_extra_memory(bench, lambda: weights["nccl_only"].full_tensor())
-    return results
+        routes = {
+            "offload_shim": (True, lambda: weights["nccl"].full_tensor()),
+            "offload_shim_routed_off_gloo": (True, lambda: weights["gloo"].full_tensor()),
+            "hand_staging": (False, hand),
+        }
+        if label == "even":
+            routes["gloo"] = (False, lambda: weights["gloo"].full_tensor())
+            if kind != "cpu":
+                resident = _offloaded_linear(DeviceMesh.from_group(bench.groups["nccl"], kind, mesh_dim_names=("gpu",)),
+                                             n, cols, offload=False).weight
+                routes["gpu_resident"] = (False, lambda: resident.full_tensor())
+        times = bench.compare(routes, bench.rounds(nbytes))
+        peak = peak_extra_memory(bench, lambda: weights["nccl"].full_tensor())
+        bench.record(kind="full_tensor", shards=label, shape=[n, cols], bytes=nbytes, floor_seconds=nbytes / floor_bandwidth,
+                     chunk_bytes=_config.settings().chunk_bytes, peak_extra_bytes_offload_shim=peak,
+                     peak_extra_chunks=peak / _config.settings().chunk_bytes,
+                     **{f"{k}_seconds": v for k, v in times.items()})
+
+
+def weight_sync(bench, limits: dict) -> None:
+    """Every parameter of an FSDP2-offloaded bf16 model: full_tensor(), then broadcast of it from rank 0."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    layers, rows, cols = (2, 32, 16) if bench.smoke else (16, 8192, 16384)  # 16 x 256 MiB bf16 = 4 GiB
+    models = {}
+    for name in ("nccl", "gloo"):
+        mesh = DeviceMesh.from_group(bench.groups[name], bench.device.type, mesh_dim_names=(f"sync_{name}",))
+        model = torch.nn.Sequential(*(torch.nn.utils.skip_init(torch.nn.Linear, cols, rows, bias=False,
+                                                               dtype=torch.bfloat16) for _ in range(layers)))
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.fill_(i + 1)
+        for layer in model:
+            fully_shard(layer, mesh=mesh, offload_policy=_offload_policy(mesh))
+        fully_shard(model, mesh=mesh, offload_policy=_offload_policy(mesh))
+        models[name] = model
+    nbytes = layers * rows * cols * 2
+    received = []
+
+    def sync(name):
+        group = bench.groups[name]
+        received.clear()
+        with torch.no_grad():
+            for p in models[name].parameters():
+                full = p.full_tensor()
+                dist.broadcast(full, src=0, group=group)
+                received.append(full[0, 0].item())
+
+    times = bench.compare({"offload_shim": (True, lambda: sync("nccl")), "gloo": (False, lambda: sync("gloo"))},
+                          1 if not bench.smoke else 2)
+    assert received == [float(i + 1) for i in range(layers)], received
+    once_each_way = nbytes / limits["h2d_GBps"] / 1e9 + nbytes / limits["d2h_GBps"] / 1e9
+    bench.record(kind="weight_sync", bytes=nbytes, parameters=layers, copy_once_each_way_seconds=once_each_way,
+                 **{f"{k}_seconds": v for k, v in times.items()})
+
+
+def collective_routes(bench, op: str, nbytes: int, pinned: bool) -> dict:
+    nccl, gloo = bench.groups["nccl"], bench.groups["gloo"]
+    t = host_tensor(nbytes // 4, torch.float32, pinned and bench.device.type != "cpu")
+    if op == "all_reduce":
+        call = lambda x, g: dist.all_reduce(x, group=g)  # noqa: E731
+    else:
+        call = lambda x, g: dist.broadcast(x, src=0, group=g)  # noqa: E731
+    gpu = torch.ones(nbytes // 4, device=bench.device)
+
+    def hand():
+        staged = t.to(bench.device, non_blocking=pinned)
+        call(staged, nccl)
+        t.copy_(staged, non_blocking=pinned)
+        bench.sync()
+
+    return bench.compare({
+        "gloo": (False, lambda: call(t, gloo)),
+        "hand_staging": (False, hand),
+        "gpu_resident": (False, lambda: call(gpu, nccl)),
+        "offload_shim": (True, lambda: call(t, nccl)),
+    }, bench.rounds(nbytes))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
+    parser.add_argument("--smoke", action="store_true", help="CPU only (Gloo, staging through the CPU), tiny sizes")
+    parser.add_argument("--only", help="comma-separated sections to run (default: all)")
     args = parser.parse_args()
 
     local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device(torch.accelerator.current_accelerator().type, local_rank)
-    torch.accelerator.set_device_index(local_rank)
-    dist.init_process_group("nccl", device_id=device)
-    nccl_group = dist.group.WORLD
-    gloo_group = dist.new_group(backend=f"cpu:gloo,{device.type}:nccl")
-    bench = Bench(device, args.quick)
-    chunk_default = offload_shim.settings().chunk_bytes
+    if args.smoke:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        nccl_group = dist.group.WORLD
+        gloo_group = dist.new_group(backend="gloo")
+        offload_shim.configure(staging_device="cpu", always_stage=True)
+    else:
+        device = torch.device(torch.accelerator.current_accelerator().type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
+        dist.init_process_group("nccl", device_id=device)
+        nccl_group = dist.group.WORLD
+        gloo_group = dist.new_group(backend=f"cpu:gloo,{device.type}:nccl")
+    bench = Bench(device, args.quick, args.smoke, {"nccl": nccl_group, "gloo": gloo_group})
+    sections = set(args.only.split(",")) if args.only else None
+    wanted = lambda name: sections is None or name in sections  # noqa: E731
+    chunk_default = _config.settings().chunk_bytes
     offload_shim.install()
-    offload_shim.configure(route_min_bytes=None)  # routing is measured on its own below
+    if not args.smoke:
+        offload_shim.configure(route_min_bytes=None)  # routing is measured on its own below
     meta = {
         "torch": torch.__version__,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "device": torch.cuda.get_device_name(device),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)",
         "world_size": dist.get_world_size(),
         "chunk_bytes_default": chunk_default,
         "pageable_path_default": _pipeline.PAGEABLE_PATH,
+        "copy_threads": _pipeline.copy_threads(),
+        "commit": os.environ.get("BENCH_COMMIT"),
     }
-    floor_bandwidth = measure_h2d(bench)
+    big = 4 * MiB if args.smoke else 256 * MiB
+    limits = copy_limits(bench, big)
+    floor_bandwidth = limits["h2d_GBps"] * 1e9
 
-    # 1. chunk size, chunks in flight and pageable path, at 256 MiB fp32
-    for chunk in (4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB):
-        offload_shim.configure(chunk_bytes=chunk)
-        for variant in ("pinned", "pinned_3_slots", "driver", "bounce"):
-            pinned = variant.startswith("pinned")
-            _pipeline.SLOTS = 3 if variant == "pinned_3_slots" else 2
-            _pipeline.PAGEABLE_PATH = variant if not pinned else meta["pageable_path_default"]
-            t = host_tensor(64 * MiB, torch.float32, pinned, 1.0)
-            seconds = bench.time(lambda: dist.all_reduce(t), 256 * MiB)
-            bench.record(kind="chunk_sweep", op="all_reduce", bytes=256 * MiB, chunk_bytes=chunk, variant=variant,
-                         pinned=pinned, seconds=seconds, over_floor=seconds / (256 * MiB / floor_bandwidth))
-    _pipeline.SLOTS = 2
-    offload_shim.configure(chunk_bytes=chunk_default)
-    _pipeline.PAGEABLE_PATH = meta["pageable_path_default"]
-
-    # 2. peak extra accelerator memory, tensors of 4 and 32 chunks
-    for multiple in (4, 32):
-        t = host_tensor(multiple * chunk_default // 4, torch.float32, True, 1.0)
-        peak = peak_extra_memory(bench, lambda: dist.all_reduce(t))
-        bench.record(kind="peak_memory", op="all_reduce", bytes=t.numel() * 4, chunk_bytes=chunk_default,
-                     peak_extra_bytes=peak, peak_extra_chunks=peak / chunk_default)
-
-    # 3. routes by size
-    sizes = [4 << 10, 64 << 10, 1 * MiB, 16 * MiB, 256 * MiB, 1024 * MiB]
-    if args.quick:
-        sizes = [4 << 10, 1 * MiB, 256 * MiB]
-    for op in ("all_reduce", "broadcast"):
-        for dtype in (torch.float32, torch.bfloat16):
+    if wanted("small"):
+        small_calls(bench)
+    if wanted("served"):
+        served_path(bench)
+    if wanted("pageable"):
+        pageable(bench, big, limits, floor_bandwidth)
+    if wanted("full_tensor"):
+        offload_shim.configure(route_min_bytes=_config.DEFAULT_ROUTE_MIN_BYTES)
+        full_tensor(bench, floor_bandwidth)
+        offload_shim.configure(route_min_bytes=None)
+    if wanted("weight_sync"):
+        weight_sync(bench, limits)
+    if wanted("duplex"):
+        for nbytes in (big,) if bench.quick else (big, 4 * big):
+            t = host_tensor(nbytes // 4, torch.float32, not args.smoke)
+            seconds = bench.compare({"offload_shim": (True, lambda: dist.all_reduce(t))}, bench.rounds(nbytes))["offload_shim"]
+            bench.record(kind="duplex", op="all_reduce", bytes=nbytes, offload_shim_seconds=seconds,
+                         duplex_seconds=limits["duplex_seconds"] * nbytes / big, floor_seconds=nbytes / floor_bandwidth)
+    if wanted("collective"):
+        sizes = [4 << 10, 1 * MiB, 16 * MiB, 256 * MiB, 1024 * MiB]
+        if bench.quick:
+            sizes = [4 << 10, big]
+        for op in ("all_reduce", "broadcast"):
             for pinned in (True, False):
                 for nbytes in sizes:
-                    results = collective_routes(bench, op, nbytes, dtype, pinned, nccl_group, gloo_group)
-                    floor = nbytes / floor_bandwidth
-                    bench.record(kind="collective", op=op, dtype=str(dtype).replace("torch.", ""), pinned=pinned,
-                                 bytes=nbytes, floor_seconds=floor, **{f"{k}_seconds": v for k, v in results.items()})
+                    results = collective_routes(bench, op, nbytes, pinned)
+                    bench.record(kind="collective", op=op, dtype="float32", pinned=pinned, bytes=nbytes,
+                                 floor_seconds=nbytes / floor_bandwidth, **{f"{k}_seconds": v for k, v in results.items()})
+    if wanted("peak_memory"):
+        for multiple in (4, 32):
+            t = host_tensor(multiple * chunk_default // 4, torch.float32, not args.smoke)
+            peak = peak_extra_memory(bench, lambda: dist.all_reduce(t))
+            bench.record(kind="peak_memory", op="all_reduce", bytes=t.numel() * 4, chunk_bytes=chunk_default,
+                         peak_extra_bytes=peak, peak_extra_chunks=peak / chunk_default)
+    if wanted("routing") and not args.smoke:
+        gloo = bench.groups["gloo"]
+        for nbytes in (4 << 10, 64 << 10, 256 << 10, 1 * MiB, 4 * MiB):
+            t = host_tensor(nbytes // 4, torch.float32, False)
 
-    # 4. routing crossover on the Gloo group: Gloo against offload_shim's route through NCCL
-    for nbytes in (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 * MiB, 4 * MiB):
-        t = host_tensor(nbytes // 4, torch.float32, False, 1.0)
-        offload_shim.configure(route_min_bytes=None)
-        gloo = bench.time(lambda: dist.all_reduce(t, group=gloo_group), nbytes)
-        offload_shim.configure(route_min_bytes=0)
-        routed = bench.time(lambda: dist.all_reduce(t, group=gloo_group), nbytes)
-        bench.record(kind="routing", op="all_reduce", bytes=nbytes, pinned=False, gloo_seconds=gloo, routed_seconds=routed)
-    offload_shim.configure(route_min_bytes=None)
+            def routed(value):
+                def run():
+                    offload_shim.configure(route_min_bytes=value)
+                    dist.all_reduce(t, group=gloo)
+                return run
 
-    # 5. many small calls: 200 one-element all_reduces
-    scalars = [torch.zeros(()) for _ in range(200)]
-    offload_shim.uninstall()
-    gloo_small = bench.time(lambda: [dist.all_reduce(s, group=gloo_group) for s in scalars], 1)
-    offload_shim.install()
-    shim_small = bench.time(lambda: [dist.all_reduce(s) for s in scalars], 1)
-    bench.record(kind="small_calls", calls=200, gloo_seconds=gloo_small, offload_shim_seconds=shim_small)
-
-    # 6. full_tensor of an FSDP2-offloaded 512 MiB weight
-    offload_shim.configure(route_min_bytes=offload_shim._config.DEFAULT_ROUTE_MIN_BYTES)
-    results = full_tensor_routes(bench, nccl_group, gloo_group)
-    bench.record(kind="full_tensor", bytes=512 * MiB, floor_seconds=512 * MiB / floor_bandwidth,
-                 **{f"{k}_seconds" if not k.startswith("peak") else k: v for k, v in results.items()})
+            times = bench.compare({"gloo": (True, routed(None)), "routed": (True, routed(0))}, bench.rounds(nbytes))
+            offload_shim.configure(route_min_bytes=None)
+            bench.record(kind="routing", op="all_reduce", bytes=nbytes, pinned=False,
+                         **{f"{k}_seconds": v for k, v in times.items()})
+    if wanted("chunk_sweep") and not bench.quick:
+        for chunk in (8 * MiB, 16 * MiB, 32 * MiB):
+            offload_shim.configure(chunk_bytes=chunk)
+            tensors = {"pinned": host_tensor(big // 4, torch.float32, True), "pageable": host_tensor(big // 4, torch.float32, False)}
+            times = bench.compare({k: (True, lambda t=t: dist.all_reduce(t)) for k, t in tensors.items()}, bench.rounds(big))
+            bench.record(kind="chunk_sweep", op="all_reduce", bytes=big, chunk_bytes=chunk,
+                         **{f"{k}_over_floor": v / (big / floor_bandwidth) for k, v in times.items()})
+        offload_shim.configure(chunk_bytes=chunk_default)
 
     if bench.rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump({"meta": meta, "records": bench.records}, f, indent=1)
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from report import plot, table
 
         print(table(meta, bench.records))
-        plot(bench.records, os.path.join(args.out, "bench.png"))
+        try:
+            plot(bench.records, os.path.join(args.out, "bench.png"))
+        except ImportError as exc:  # no matplotlib: the table and JSON are the result
+            print(f"no plot: {exc}")
     dist.destroy_process_group()
 
 

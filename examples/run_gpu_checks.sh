@@ -8,7 +8,8 @@
 #    OFFLOAD_SHIM=1, and the two references (offload over cpu:gloo,cuda:nccl without the shim; no offload);
 # 4. compares the runs;
 # 5. runs the staging benchmark (benchmarks/bench_staging.py: table, JSON, plot).
-# Logs and JSON go to OUTDIR (default: $OUT, else ./gpu-results). SKIP_EXAMPLE=1 or SKIP_BENCH=1 leave a part out.
+# Logs and JSON go to OUTDIR (default: $OUT, else ./gpu-results). SKIP_EXAMPLE=1 or SKIP_BENCH=1 leave a part out;
+# BENCH_ARGS (e.g. --quick, --only small,served) go to the benchmark, BENCH_COMMIT names the tree in its JSON.
 set -u -o pipefail
 out=${1:-${OUT:-gpu-results}}
 runs=$(mktemp -d)
@@ -55,6 +56,7 @@ json.dump(runs, open(sys.argv[2], "w"), indent=1)
 PY
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  torchrun --nproc_per_node 2 benchmarks/bench_staging.py --out "$out" 2>&1 | tee "$out/bench.log"
+  BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} \
+    torchrun --nproc_per_node 2 benchmarks/bench_staging.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
 fi
 exit $tests_rc

@@ -41,11 +41,17 @@ class StagingError(RuntimeError):
 
 
 _served_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_last_served: tuple = (lambda: None, frozenset())  # (weak reference to the last group asked about, its answer)
 
 
 def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
     """Device types (``"cpu"``, ``"cuda"``, ...) that have a backend registered on ``group``. Cached per group:
-    a group's backends are fixed when it is made, and this is on every collective's path."""
+    a group's backends are fixed when it is made, and this is on every collective's path (the last group's
+    answer first: a loop of calls on one group asks about it alone)."""
+    global _last_served
+    last, served = _last_served
+    if last() is group:
+        return served
     served = _served_cache.get(group)
     if served is None:
         devices = getattr(group, "_device_types", None)
@@ -56,7 +62,8 @@ def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
         try:
             _served_cache[group] = served
         except TypeError:  # a group type without weak references: not cached
-            pass
+            return served
+    _last_served = (weakref.ref(group), served)
     return served
 
 
@@ -158,15 +165,15 @@ def staging_device_for(
         StagingError: ``tensor`` is on the CPU, ``group`` serves no CPU backend, and no device of a type the
             group serves is usable from this process.
     """
-    if tensor.device.type != "cpu" or _staging.in_staged_call():
+    if not tensor.is_cpu or _staging.in_staged_call():
         return None
     served = served_device_types(group)
-    if not _staging.needs_staging(tensor):  # sparse or nested: left to a CPU backend, never staged
-        return _unstaged_layout(tensor, group, collective, served)
     settings = _config.settings()
     cpu_served = "cpu" in served
     if cpu_served and not (settings.always_stage or _routes(route_bytes, settings)):
-        return None
+        return None  # the served path: no more work than this on a call that needs no staging
+    if not _staging.needs_staging(tensor):  # sparse or nested: left to a CPU backend, never staged
+        return _unstaged_layout(tensor, group, collective, served)
     device = settings.staging_device
     if device is None:
         bound = getattr(group, "bound_device_id", None)

@@ -64,18 +64,26 @@ def _roles(collective, parameters, args, kwargs, group) -> tuple[bool, bool]:
 
 
 def _in_place_wrapper(collective: str):
+    name = f"torch.distributed.{collective}"
+
     def make(original):
         parameters = Parameters(original)
+        missing = [param for param in ("tensor", "group") if param not in parameters]
+        if missing:  # a torch whose signature differs: leave the function alone rather than guess
+            _log.warning("offload_shim: %s has no parameter(s) %s in this torch; not staged", name, missing)
+            return lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)
+        at, group_at = parameters.position("tensor"), parameters.position("group")
 
         def wrapper(wrapped, instance, args, kwargs):
-            tensor = parameters.get(args, kwargs, "tensor")
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
+            tensor = args[at] if len(args) > at else kwargs.get("tensor")
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu:
                 return wrapped(*args, **kwargs)
-            group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
+            group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
             if group is None:
                 return wrapped(*args, **kwargs)
-            nbytes = tensor.numel() * tensor.element_size()  # the same on every rank for these collectives
-            device = _devices.staging_device_for(tensor, group, f"torch.distributed.{collective}", nbytes)
+            nbytes = tensor.numel() * tensor.element_size()  # the same on every rank (Tensor.nbytes fails if sparse)
+            device = _devices.staging_device_for(tensor, group, name, nbytes)
             if device is None:
                 return wrapped(*args, **kwargs)
             async_op = bool(parameters.get(args, kwargs, "async_op", False))
@@ -88,9 +96,15 @@ def _in_place_wrapper(collective: str):
                     return wrapped(*chunk_args, **chunk_kwargs)
 
                 return _pipeline.stage_in_place(
-                    tensor, device, group, launch, f"torch.distributed.{collective}",
+                    tensor, device, group, launch, name,
                     reads=reads, writes=writes, async_op=async_op,
                 )
+            if not async_op and nbytes <= _staging.SMALL_CALL_BYTES:
+                def run(staged):
+                    call_args, call_kwargs = parameters.replace(args, kwargs, "tensor", staged)
+                    return wrapped(*call_args, **call_kwargs)
+
+                return _staging.stage_small_in_place(tensor, device, run, reads=reads, writes=writes)
             staged = _staging.StagedArguments(device)
             args, kwargs = parameters.replace(args, kwargs, "tensor", staged.stage(tensor, reads=reads, writes=writes))
             with _staging.staged_call():
@@ -121,11 +135,14 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str]):
             _log.warning("offload_shim: %s has no parameter(s) %s in this torch; not staged", name, missing)
             return lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)
 
+        positions = [(param, parameters.position(param)) for param in roles]
+
         def wrapper(wrapped, instance, args, kwargs):
-            values = {param: parameters.get(args, kwargs, param) for param in roles}
-            tensors = list(_tensors(values.values()))
-            if not any(t.device.type == "cpu" for t in tensors):  # sparse ones too: refused clearly below
+            # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
+            values = {param: args[at] if len(args) > at else kwargs.get(param) for param, at in positions}
+            if not _any_host_tensor(values.values()):  # sparse ones too: refused clearly below
                 return wrapped(*args, **kwargs)
+            tensors = list(_tensors(values.values()))
             group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
             if group is None:
                 return wrapped(*args, **kwargs)
@@ -143,6 +160,16 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str]):
         return wrapper
 
     return make
+
+
+def _any_host_tensor(values) -> bool:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.is_cpu:
+                return True
+        elif isinstance(value, (list, tuple)) and _any_host_tensor(value):
+            return True
+    return False
 
 
 def _tensors(values):

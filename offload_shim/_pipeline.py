@@ -14,10 +14,13 @@ elementwise per position; gathers and scatters do not come here. Before the firs
 check that they all split the call alike (:func:`_agree`), overlapped with that chunk's H2D.
 
 Host memory: a pinned caller tensor is copied to and from directly. A pageable one takes
-:data:`PAGEABLE_PATH`: ``"bounce"`` copies each chunk through two pinned host buffers of the pool, ``"driver"``
-hands the pageable chunk to the runtime's own (synchronous) staged copy. A ``broadcast`` copies only what it
-needs: the source rank's chunks go H2D only, the other ranks' D2H only. An asynchronous call, and a non-contiguous
-tensor, land their results in a private pinned host buffer first.
+:data:`PAGEABLE_PATH`: ``"bounce"`` copies each chunk through two pinned host buffers of the pool, with host
+copies split over :func:`copy_threads` threads (one thread copies at a fraction of what the host's memory
+allows), overlapped with the other chunks' DMA; ``"driver"`` hands the pageable chunk to the runtime's own
+(synchronous) staged copy. A ``broadcast`` copies only what it needs: the source rank's chunks go H2D only, the
+other ranks' D2H only. An asynchronous call, and a non-contiguous tensor, go through a private pinned host buffer
+that holds their result until the work handle is finished: an asynchronous call on pageable memory returns once
+its input is copied there and every chunk is queued, before the DMA, the collectives and the copy back are done.
 
 Staging through ``cpu`` (the testing configuration) runs the same loop with plain host copies and no streams.
 """
@@ -25,7 +28,9 @@ Staging through ``cpu`` (the testing configuration) runs the same loop with plai
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
+import os
 import threading
 import zlib
 from typing import Callable
@@ -39,10 +44,59 @@ from offload_shim._devices import StagingError
 # Both chosen by measurement (benchmarks/bench_staging.py, results/gpu/bench.log): with pageable memory the
 # runtime's own staged copy beat a single-threaded copy through pinned bounce buffers (torchrun sets
 # OMP_NUM_THREADS=1); SLOTS is the number of chunks in flight, so the accelerator footprint is SLOTS chunks.
-PAGEABLE_PATH = "driver"  # or "bounce"
+PAGEABLE_PATH = "bounce"  # or "driver"
 SLOTS = 2
 # Tensors of fewer chunks than this are staged whole (_staging): with one chunk there is nothing to overlap.
 MIN_PIPELINED_CHUNKS = 2
+
+
+# Host copies of at least this many bytes are split over the copy threads, in pieces of at least this size.
+MIN_THREADED_COPY_BYTES = 1 << 20
+
+
+def copy_threads() -> int:
+    """Threads for the pipeline's host copies: this process's share of the CPUs it may run on (the CPUs of its
+    affinity mask divided by ``LOCAL_WORLD_SIZE``, which torchrun sets), at most 32. Not ``OMP_NUM_THREADS``
+    (torchrun sets it to 1) nor torch's intra-op threads, which are the caller's for their own CPU work."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return max(1, min(32, cpus // ranks))
+
+
+_copy_pool_lock = globals().get("_copy_pool_lock") or threading.Lock()
+_copy_pool: list = globals().get("_copy_pool", [])  # [ThreadPoolExecutor], made on first use; kept across reload
+
+
+def _host_copies(pairs) -> None:
+    """``destination.copy_(source)`` for each ``(destination, source)`` pair of flat contiguous host tensors of
+    one dtype, split over the copy threads (torch's copies release the GIL). Complete when this returns."""
+    threads = copy_threads()
+    pieces = []
+    for destination, source in pairs:
+        count = max(1, min(threads, destination.numel() * destination.element_size() // MIN_THREADED_COPY_BYTES))
+        step = -(-destination.numel() // count)
+        pieces += [(destination[i : i + step], source[i : i + step]) for i in range(0, destination.numel(), step)]
+    if len(pieces) <= 1 or threads == 1:
+        for destination, source in pieces:
+            _copy(destination, source)
+        return
+    with _copy_pool_lock:
+        if not _copy_pool:
+            _copy_pool.append(concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="offload_shim_copy"))
+        executor = _copy_pool[0]
+    futures = [executor.submit(_copy, destination, source) for destination, source in pieces[1:]]
+    _copy(*pieces[0])
+    for future in futures:
+        future.result()
+
+
+def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
+    # Grad mode and inference mode are per thread: set here as in the calling thread.
+    with torch.no_grad(), _staging.writable(destination):
+        destination.copy_(source)
 
 
 class _NoStream:
@@ -158,10 +212,11 @@ def _give_back(pool: _Pool) -> None:
 
 
 def release_buffers() -> None:
-    """Free the staging buffers (accelerator and pinned host memory) after their last use has finished; buffers
-    that a call in another thread is using are freed when it is done with them. The next staged call makes new
+    """Free the staging buffers (accelerator and pinned host memory, the pools' and the small calls' slots) after
+    their last use has finished; buffers that a call in another thread is using are freed when it is done with them. The next staged call makes new
     ones. ``torch.distributed.destroy_process_group()`` (of every group) calls this while the shim is installed."""
     global _generation
+    _staging.release_small_slots()
     with _pools_lock:
         _generation += 1
         pools = [pool for idle in _idle.values() for pool in idle]
@@ -251,20 +306,24 @@ def stage_in_place(
     _staging.finish_writes_to([tensor])
     chunk_bytes = _config.settings().chunk_bytes
     contiguous = tensor.is_contiguous()
-    if contiguous:  # written through .data, without bumping the caller's version counter, as torch's C++ writes
-        source = tensor.data.view(-1)
-    else:
-        source = _host_empty(tensor.numel(), tensor.dtype, device)
+    # Written through .data, without bumping the caller's version counter, as torch's C++ writes.
+    flat = tensor.data.view(-1) if contiguous else None
+    private = None  # pinned host memory holding the result until the call is finished
+    if not contiguous:
+        source = private = _host_empty(tensor.numel(), tensor.dtype, device)
         with torch.no_grad():
             source.view(tensor.shape).copy_(tensor)
-    private = None
-    if writes and (async_op or not contiguous):
-        private = source if not contiguous else _host_empty(source.numel(), source.dtype, device)
-    target = source if private is None else private
+    elif writes and async_op:
+        private = _host_empty(tensor.numel(), tensor.dtype, device)
+        source = flat if _staging._is_pinned(flat) or not reads else private  # a pageable input is copied there
+    else:
+        source = flat
+    target = flat if private is None else private
     pool = _acquire(device, chunk_bytes)
     try:
         works, error, done = _run_chunks(
-            pool, source, target, launch, group, collective, reads=reads, writes=writes, async_op=async_op
+            pool, flat if source is private and contiguous else source, source, target, launch, group, collective,
+            reads=reads, writes=writes, async_op=async_op,
         )
     finally:
         _give_back(pool)
@@ -272,8 +331,11 @@ def stage_in_place(
     def finish() -> None:
         done.synchronize()
         if private is not None:
-            with torch.no_grad(), _staging.writable(tensor):
-                tensor.data.copy_(private.view(tensor.shape))
+            if contiguous:
+                _host_copies([(flat, private)])
+            else:
+                with torch.no_grad(), _staging.writable(tensor):
+                    tensor.data.copy_(private.view(tensor.shape))
 
     if not async_op:
         finish()
@@ -281,23 +343,21 @@ def stage_in_place(
     return _staging.StagedWork(works, finish, [tensor], done, writes_to=[tensor] if writes else [], error=error)
 
 
-def _run_chunks(pool, source, target, launch, group, collective, *, reads, writes, async_op):
-    """Queue the chunks of ``source`` through ``pool``: H2D, the collective, D2H into ``target`` (a flat host
-    tensor, ``source`` itself or a private buffer). Returns ``(works, error, done)``: ``error`` is the exception a
-    chunk's ``wait()`` raised in an asynchronous call (no further chunk is launched; a synchronous call raises it),
-    ``done`` an event completed once every D2H copy has."""
+def _run_chunks(pool, data, source, target, launch, group, collective, *, reads, writes, async_op):
+    """Queue the chunks through ``pool``: the input chunk of ``data`` copied into ``source`` where they differ
+    (a pageable input into a private pinned buffer), H2D from ``source``, the collective, D2H into ``target`` (a
+    flat host tensor: the caller's, or a private buffer). Pageable memory on either side goes through the pool's
+    pinned bounce buffers (:data:`PAGEABLE_PATH` ``"bounce"``), host copies on the copy threads. Returns
+    ``(works, error, done)``: ``error`` is the exception a chunk's ``wait()`` raised in an asynchronous call (no
+    further chunk is launched; a synchronous call raises it), ``done`` an event completed once every D2H copy has
+    (and every host copy out of a bounce buffer has finished when this returns)."""
     device = pool.device
     itemsize = source.element_size()
     per_chunk = max(1, pool.chunk_bytes // itemsize)
-    bounce_in = PAGEABLE_PATH == "bounce" and not _staging._is_pinned(source)
+    bounce_in = PAGEABLE_PATH == "bounce" and reads and source is data and not _staging._is_pinned(source)
     target_pinned = _staging._is_pinned(target)
-    bounce_out = PAGEABLE_PATH == "bounce" and not target_pinned
+    bounce_out = PAGEABLE_PATH == "bounce" and writes and not target_pinned
     works, pending, error = [], collections.deque(), None
-
-    def copy_out(entry) -> None:
-        _, event, staged, destination = entry
-        event.synchronize()
-        destination.copy_(staged)
 
     # Outside autograd, like the in-place collective it completes (the caller's tensor may require grad); an
     # inference tensor is written in inference mode, as torch's C++ collectives write it.
@@ -311,11 +371,13 @@ def _run_chunks(pool, source, target, launch, group, collective, *, reads, write
                 pool.h2d.wait_event(pool.slot_free[s])
             if reads:
                 staged = host_chunk
-                if bounce_in:
+                if source is not data:  # a pageable input, copied into the private buffer chunk by chunk
+                    _host_copies([(host_chunk, data[start : start + per_chunk])])
+                elif bounce_in:
                     if pool.host_in_free[s] is not None:
                         pool.host_in_free[s].synchronize()
                     staged = pool.host("in", s)[: slot.numel() * itemsize].view(source.dtype)
-                    staged.copy_(host_chunk)
+                    _host_copies([(staged, host_chunk)])
                 with _current(pool.h2d):
                     slot.copy_(staged, non_blocking=True)
                 if bounce_in:
@@ -343,21 +405,24 @@ def _run_chunks(pool, source, target, launch, group, collective, *, reads, write
             if writes:
                 destination = target[start : start + per_chunk]
                 if bounce_out:
-                    while pending and pending[0][0] == s:  # bounce buffer s still holds an older chunk
-                        copy_out(pending.popleft())
                     landing = pool.host("out", s)[: slot.numel() * itemsize].view(source.dtype)
                 else:
                     landing = destination
                 with _current(pool.d2h):
                     landing.copy_(slot, non_blocking=target_pinned or bounce_out)
                 if bounce_out:
-                    pending.append((s, pool.d2h.record_event(), landing, destination))
+                    pending.append((pool.d2h.record_event(), landing, destination))
             pool.slot_free[s] = pool.d2h.record_event()
-            while len(pending) > 1:  # the newest chunk's copy is still in flight; finish the older ones
-                copy_out(pending.popleft())
+            while len(pending) > 1:  # the newest chunk's copy is still in flight; copy out the older one
+                _copy_out(pending.popleft())
         done = pool.d2h.record_event()
-        if pending:
-            done.synchronize()
-            while pending:
-                copy_out(pending.popleft())
+        while pending:
+            _copy_out(pending.popleft())
     return works, error, done
+
+
+def _copy_out(entry) -> None:
+    """Copy a chunk out of a bounce buffer into the caller's memory, once its D2H copy has finished."""
+    event, landing, destination = entry
+    event.synchronize()
+    _host_copies([(destination, landing)])

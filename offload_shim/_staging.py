@@ -20,29 +20,36 @@ import datetime
 import itertools
 import threading
 import weakref
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 
-_calls = globals().get("_calls") or threading.local()  # state kept across importlib.reload
+class _CallDepth(threading.local):
+    depth = 0  # staged calls running in this thread
 
 
-@contextlib.contextmanager
-def staged_call() -> Iterator[None]:
-    """Marks the original collective running on staged tensors: a collective it calls in turn (``full_tensor``
-    calls the functional collectives; ``all_gather_tensor`` calls ``all_gather_single``) is not staged again."""
-    depth = getattr(_calls, "depth", 0)
-    _calls.depth = depth + 1
-    try:
-        yield
-    finally:
-        _calls.depth = depth
+_calls = globals().get("_calls") or _CallDepth()  # state kept across importlib.reload
+
+
+class staged_call:
+    """Context manager marking the original collective running on staged tensors: a collective it calls in turn
+    (``full_tensor`` calls the functional collectives; ``all_gather_tensor`` calls ``all_gather_single``) is not
+    staged again. (A class, not ``contextlib.contextmanager``: it is on every staged call's path.)"""
+
+    __slots__ = ("_depth",)
+
+    def __enter__(self) -> None:
+        self._depth = _calls.depth
+        _calls.depth = self._depth + 1
+
+    def __exit__(self, *exc_info) -> None:
+        _calls.depth = self._depth
 
 
 def in_staged_call() -> bool:
-    return getattr(_calls, "depth", 0) > 0
+    return _calls.depth > 0
 
 
 def _is_pinned(tensor: torch.Tensor) -> bool:
@@ -92,6 +99,93 @@ def writable(destination: torch.Tensor):
     ``torch.inference_mode()``, as rollouts and eval metrics are) takes writes only inside inference mode, which
     torch's own collectives bypass in C++."""
     return torch.inference_mode() if destination.is_inference() else contextlib.nullcontext()
+
+
+# Synchronous in-place calls of at most this many bytes take stage_small_in_place: this thread's reused slots.
+SMALL_CALL_BYTES = 1 << 20
+
+
+class _SmallSlot:
+    """A host buffer (pinned when ``device`` is an accelerator) and a buffer on ``device``, of ``nbytes`` each,
+    for one thread's small staged calls. ``pending``: an event of an H2D copy from ``host`` that no one has waited
+    for (a call that only reads), waited before the slot is written again."""
+
+    def __init__(self, device: torch.device, nbytes: int, generation: int):
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
+        self.staged = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.generation = generation
+        self.pending = None
+
+
+class _ThreadSlots(threading.local):
+    def __init__(self):
+        self.by_device: dict[torch.device, _SmallSlot] = {}
+
+
+_slots = globals().get("_slots") or _ThreadSlots()
+_slot_generation = globals().get("_slot_generation", 0)
+
+
+def release_small_slots() -> None:
+    """Let go of every thread's small-call slots: each thread makes new ones at its next small staged call (a
+    thread that never makes one keeps its old slots until it ends)."""
+    global _slot_generation
+    _slot_generation += 1
+
+
+def _small_slot(device: torch.device, nbytes: int) -> _SmallSlot:
+    slot = _slots.by_device.get(device)
+    if slot is None or slot.generation != _slot_generation or slot.host.numel() < nbytes:
+        slot = _slots.by_device[device] = _SmallSlot(device, max(512, 1 << (nbytes - 1).bit_length()), _slot_generation)
+    elif slot.pending is not None:
+        slot.pending.synchronize()
+    slot.pending = None
+    return slot
+
+
+def stage_small_in_place(tensor: torch.Tensor, device: torch.device, run: Callable, *, reads: bool, writes: bool):
+    """Run a synchronous in-place collective on host ``tensor`` (at most :data:`SMALL_CALL_BYTES`, any strides)
+    staged through this thread's reused slots on ``device``: a host copy into the pinned slot, one non-blocking
+    H2D, ``run(staged)`` (the collective on a contiguous tensor of ``tensor``'s shape and dtype on ``device``),
+    one non-blocking D2H, one wait for the device's current stream, and a host copy into ``tensor``. No allocation
+    after a thread's first call of a size.
+
+    Args:
+        reads: whether the collective reads this rank's data (not on a broadcast's receiving ranks).
+        writes: whether it writes this rank's data (not on a broadcast's source, nor a reduce's other ranks);
+            a call that only reads returns without waiting for its H2D copy (the slot's next use waits for it).
+
+    Returns:
+        What ``run`` returned, once ``tensor`` holds the result. If ``run`` raises, ``tensor`` is unchanged.
+    """
+    finish_writes_to((tensor,))
+    nbytes = tensor.nbytes
+    slot = _small_slot(device, nbytes)
+    host = slot.host[:nbytes].view(tensor.dtype).view(tensor.shape)
+    staged = slot.staged[:nbytes].view(tensor.dtype).view(tensor.shape)
+    with torch.no_grad():
+        if reads:
+            host.copy_(tensor)
+            staged.copy_(host, non_blocking=True)
+        try:
+            with staged_call():
+                result = run(staged)
+        except BaseException:
+            slot.pending = _record(device)
+            raise
+        if writes:
+            host.copy_(staged, non_blocking=True)
+            _finish_on(device)
+            with writable(tensor):
+                tensor.data.copy_(host)
+        else:
+            slot.pending = _record(device)
+    return result
+
+
+def _record(device: torch.device):
+    """An event on ``device``'s current stream (``None`` for the CPU, where copies are complete on return)."""
+    return None if device.type == "cpu" else torch.accelerator.current_stream(device).record_event()
 
 
 # Host memory that asynchronous staged calls write when they are finished: token -> (spans, finish). A staged call
@@ -144,12 +238,7 @@ def finish_writes_to(tensors) -> None:
 def needs_staging(value) -> bool:
     """Whether ``value`` is a host tensor that a staged call copies: a strided (dense), non-nested CPU tensor.
     Sparse and nested tensors are never staged (see ``_devices._unstaged_layout``)."""
-    return (
-        isinstance(value, torch.Tensor)
-        and value.device.type == "cpu"
-        and value.layout == torch.strided
-        and not value.is_nested
-    )
+    return isinstance(value, torch.Tensor) and value.is_cpu and value.layout == torch.strided and not value.is_nested
 
 
 class StagedArguments:
