@@ -205,15 +205,20 @@ def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) 
     """
     if _staging.in_staged_call():
         return None
-    host = None
+    host = other = None
     for t in tensors:
-        if t.device.type == "cpu":
-            if not _staging.needs_staging(t):
-                return _unstaged_layout(t, group, collective, served_device_types(group))
+        if t.is_cpu:
             host = t if host is None else host
+        elif other is None:
+            other = t
     if host is None:
         return None
     served = served_device_types(group)
+    if other is None and "cpu" in served and not _config.settings().always_stage:
+        return None  # the served path: host tensors only, on a group that serves CPU (never routed)
+    for t in tensors:
+        if t.is_cpu and not _staging.needs_staging(t):
+            return _unstaged_layout(t, group, collective, served)
     for t in tensors:
         if t.device.type != "cpu" and t.device.type in served:
             if "cpu" not in served or backend_for(group, "cpu") != backend_for(group, t.device.type):

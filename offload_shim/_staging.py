@@ -133,6 +133,11 @@ def release_small_slots() -> None:
     _slot_generation += 1
 
 
+def small_slot_buffers() -> list[torch.Tensor]:
+    """This thread's small-call slot buffers (for tests that poison them between uses and watch their reuse)."""
+    return [buffer for slot in _slots.by_device.values() for buffer in (slot.host, slot.staged)]
+
+
 def _small_slot(device: torch.device, nbytes: int) -> _SmallSlot:
     slot = _slots.by_device.get(device)
     if slot is None or slot.generation != _slot_generation or slot.host.numel() < nbytes:

@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 import offload_shim
 from bitwise import same_bits
 from observe import configured, recording_staging
-from offload_shim import _pipeline
+from offload_shim import _pipeline, _staging
 
 # ---------------------------------------------------------------- helpers run inside the ranks
 
@@ -44,7 +44,7 @@ OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.
 
 
 def poison_staging_buffers():
-    for buffer in _pipeline.pooled_buffers():
+    for buffer in (*_pipeline.pooled_buffers(), *_staging.small_slot_buffers()):
         buffer.fill_(0xFF)  # NaN for every float dtype, -1 for signed integers
 
 
@@ -494,3 +494,83 @@ def check_threads_on_two_groups():
 
 def test_threads_on_two_groups(gloo_ranks):
     gloo_ranks.run(check_threads_on_two_groups)
+
+
+# ---------------------------------------------------------------- small calls and threaded host copies
+
+
+def check_small_calls_reuse_one_slot_per_thread():
+    """Synchronous calls under two chunks go through this thread's slot: equal to the unstaged call bit for bit,
+    whatever the collective, role, dtype and strides, the slot poisoned between calls; no new buffer while sizes
+    fit; a larger call grows it; release_buffers() and another thread get new ones."""
+    import threading
+
+    rank = dist.get_rank()
+    cases = [
+        (lambda t: dist.all_reduce(t), rank_input((), torch.float32, seed=1)),
+        (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MIN), torch.tensor([rank], dtype=torch.int8)),
+        (lambda t: dist.broadcast(t, src=1), rank_input((3, 5), torch.bfloat16, seed=2)),
+        (lambda t: dist.broadcast(t, src=0), rank_input((7,), torch.int64, seed=3)),
+        (lambda t: dist.reduce(t, dst=0), rank_input((2, 2), torch.float64, seed=4)),
+        (lambda t: dist.all_reduce(t), rank_input((6, 4), torch.float32, seed=5).t()[1:3]),  # non-contiguous
+    ]
+    with staging_through_cpu(chunk_bytes=1 << 20) as devices:
+        for index, (call, tensor) in enumerate(cases):  # the first call of a thread makes its slot
+            expected = tensor.clone()
+            offload_shim.uninstall()
+            call(expected)
+            offload_shim.install()
+            if index == 4 and rank != 0:  # reduce: Gloo's own call uses the others' tensors as scratch; NCCL's not
+                expected = tensor.clone()
+            poison_staging_buffers()
+            call(tensor)
+            assert same_bits(tensor, expected)
+        slot = [b.data_ptr() for b in _staging.small_slot_buffers()]
+        assert len(slot) == 2 and devices == ["cpu"] * len(cases)
+        for call, tensor in cases:
+            call(tensor)
+        assert [b.data_ptr() for b in _staging.small_slot_buffers()] == slot, "a small call allocated"
+        big = torch.ones(100_000)
+        dist.all_reduce(big)
+        assert _staging.small_slot_buffers()[0].numel() >= big.nbytes and same_bits(big, torch.full((100_000,), 2.0))
+        _pipeline.release_buffers()
+        dist.all_reduce(torch.ones(1))
+        released = [b.data_ptr() for b in _staging.small_slot_buffers()]
+        other = []
+
+        def in_another_thread():
+            with configured(staging_device="cpu", always_stage=True):
+                dist.all_reduce(torch.ones(1))
+            other.extend(b.data_ptr() for b in _staging.small_slot_buffers())
+
+        thread = threading.Thread(target=in_another_thread)
+        thread.start()
+        thread.join()
+        assert len(other) == 2 and not set(other) & set(released)
+
+
+def test_small_calls_reuse_one_slot_per_thread(gloo_ranks):
+    gloo_ranks.run(check_small_calls_reuse_one_slot_per_thread)
+
+
+def check_threaded_host_copies(asynchronous):
+    """Pageable tensors of several 2 MiB chunks: bounce-buffer copies split over the copy threads, bit for bit equal
+    to the unstaged call, and, asynchronous, the tensor unchanged until the handle is waited."""
+    base = rank_input((5 * (1 << 19) + 3,), torch.float32, seed=9)  # 10 MiB and 12 bytes: a short last chunk
+    expected = base.clone()
+    dist.all_reduce(expected)
+    tensor = base.clone()
+    with staging_through_cpu(chunk_bytes=2 << 20) as devices:
+        work = dist.all_reduce(tensor, async_op=asynchronous)
+        if asynchronous:
+            assert same_bits(tensor, base)
+            work.wait()
+    assert devices == ["cpu"]
+    assert same_bits(tensor, expected)
+    return _pipeline.copy_threads(), bool(_pipeline._copy_pool)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_threaded_host_copies(gloo_ranks, asynchronous):
+    for threads, pool_made in gloo_ranks.run(check_threaded_host_copies, asynchronous):
+        assert pool_made == (threads > 1)  # the copies were split over threads wherever there are two CPUs
