@@ -13,7 +13,7 @@ Side effects are safe to repeat: under ``torch.compile`` this wrapper has been s
 
 from __future__ import annotations
 
-from offload_shim import _devices, _staging
+from offload_shim import _devices, _pipeline_gather, _staging
 from offload_shim._patching import Target
 
 MODULE = "torch.distributed.tensor._api"
@@ -46,6 +46,10 @@ def _make_full_tensor_wrapper(original):
         device = _staging_device_for_mesh(local, mesh, instance.numel() * local.element_size())
         if device is None:
             return wrapped(*args, **kwargs)
+        if not args and set(kwargs) <= {"grad_placements"} and kwargs.get("grad_placements") is None:
+            chunked = _pipeline_gather.plan(instance, device)
+            if chunked is not None:
+                return _pipeline_gather.full_tensor(instance, chunked)
         from torch.distributed.tensor import DTensor
 
         staged = DTensor.from_local(
