@@ -347,7 +347,7 @@ def check_full_tensor_chunked():
         ((64,), f32, flat, [Shard(0)], {}, 4),  # even: 8 rows of 4 bytes from each rank a step
         ((32,), f32, flat, [Shard(0)], {}, 2),  # exactly 2 chunks
         ((1000,), f32, flat, [Shard(0)], {}, 63),  # many chunks, the last one short
-        ((101,), bf16, flat, [Shard(-1)], {}, 4),  # uneven (51 and 50 rows); a negative dim
+        ((101,), bf16, flat, [Shard(-1)], {}, 4),  # uneven (51 and 50 rows); a negative dim (torch normalises it)
         ((7, 5), f32, flat, [Shard(0)], {}, 4),  # uneven (4 and 3 rows), 1 row a step
         ((1, 40), f32, flat, [Shard(0)], {}, 1),  # N < W: rank 1 holds no row; a row larger than the chunk
         ((3, 40), f32, flat, [Shard(0)], {}, 2),  # uneven, rows larger than the chunk
@@ -436,6 +436,30 @@ def test_async_chunked_waited_late_and_out_of_order(gloo_ranks, pageable_path):
 
 def test_full_tensor_chunked(gloo_ranks):
     gloo_ranks.run(check_full_tensor_chunked)
+
+
+def test_full_tensor_chunked_placements():
+    """Which placements full_tensor gathers in chunks: the mesh dim of the one Shard(0), where every other is
+    Replicate (a negative dim normalised here too, whatever torch does before)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from offload_shim._pipeline_gather import _sharded_mesh_dim
+
+    assert _sharded_mesh_dim([Shard(0)], 2) == 0
+    assert _sharded_mesh_dim([Shard(-1)], 1) == 0
+    assert _sharded_mesh_dim([Replicate(), Replicate(), Shard(-3)], 3) == 2
+    for placements, ndim in (
+        ([Shard(-1)], 2),
+        ([Shard(1)], 2),
+        ([Replicate()], 2),
+        ([Shard(0), Shard(0)], 2),
+        ([Shard(0), Shard(1)], 2),
+        ([Partial(), Shard(0)], 2),
+        ([_StridedShard(0, split_factor=2), Shard(0)], 2),
+        ([_StridedShard(0, split_factor=2), Replicate()], 2),
+    ):
+        assert _sharded_mesh_dim(placements, ndim) is None, placements
 
 
 def test_non_contiguous_tensor_staged_whole(gloo_ranks):
