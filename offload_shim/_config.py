@@ -12,8 +12,10 @@ Every environment variable offload_shim reads is named here, once.
     (``ProcessGroup.bound_device_id``), else the current device of ``torch.accelerator``.
 ``OFFLOAD_SHIM_CHUNK_BYTES`` (:data:`ENV_CHUNK_BYTES`)
     Chunk size of the staging pipeline, in bytes (suffixes ``KiB``, ``MiB``, ``GiB`` accepted). Elementwise
-    collectives (all_reduce, broadcast) on larger tensors are staged chunk by chunk; the staging footprint is two
-    chunks on the accelerator, and two more of pinned host memory for each direction with pageable tensors.
+    collectives (all_reduce, broadcast, reduce) and ``DTensor.full_tensor`` of a ``Shard(0)`` DTensor of at least
+    two chunks are staged chunk by chunk; the staging footprint is two chunks on the accelerator (for
+    ``full_tensor``, two slots of one row per rank where a row is larger than a chunk over the ranks), and two
+    more of pinned host memory for each direction with pageable tensors in an all_reduce, broadcast or reduce.
     Default :data:`DEFAULT_CHUNK_BYTES`.
 ``OFFLOAD_SHIM_ROUTE_MIN_BYTES`` (:data:`ENV_ROUTE_MIN_BYTES`)
     On a group that serves CPU through one backend (Gloo) and an accelerator through another (``cpu:gloo,

@@ -1,9 +1,21 @@
 """Wrapper for ``DTensor.full_tensor``.
 
 FSDP2 with ``CPUOffloadPolicy`` builds DTensors whose local tensor is a pinned CPU tensor on a ``cuda`` device
-mesh. ``full_tensor()`` of such a DTensor, on a mesh whose groups serve no CPU backend, is staged whole: the
-local shard goes to the staging device once, the original ``full_tensor`` gathers it there (every redistribution
-hop on the accelerator), and the full tensor comes back once, to the local tensor's device. Autograd passes
+mesh. ``full_tensor()`` of such a DTensor, on a mesh whose groups serve no CPU backend, is staged one of two ways.
+
+Chunked (:mod:`offload_shim._pipeline_gather`), where the placements are ``Shard(0)`` (a negative dim counts; not
+``_StridedShard``) on exactly one mesh dimension and ``Replicate()`` on every other, ``full_tensor()`` is called
+without ``grad_placements``, the full tensor is at least ``MIN_PIPELINED_CHUNKS`` chunks (decided from the global
+shape, the same on every rank), and no code is being compiled: the shard goes to the accelerator a few rows at a
+time, each step gathered with ``all_gather_into_tensor`` on the sharded dimension's group and copied back into a new
+host tensor, the copies overlapping the gathers. Accelerator memory: the pipeline pool's two slots (two chunks, or
+two slots of one row per rank where a row is larger than a chunk over the ranks), whatever the tensor's size.
+Differentiable, as torch's (the gradient's rows of this rank's shard).
+
+Whole, otherwise (``Shard`` on another dim, several sharded mesh dimensions, ``Partial``, ``_StridedShard``,
+``grad_placements`` given, a small tensor): the local shard goes to the staging device once, the original
+``full_tensor`` gathers it there (every redistribution hop on the accelerator), and the full tensor comes back
+once, to the local tensor's device; the accelerator memory is the shard and the full tensor. Autograd passes
 through (``to_local``, ``DTensor.from_local`` and the copies are differentiable). Without this wrapper the
 functional-collective wrappers would still stage each hop of the redistribution, copying to and fro per mesh
 dimension.
@@ -13,7 +25,7 @@ Side effects are safe to repeat: under ``torch.compile`` this wrapper has been s
 
 from __future__ import annotations
 
-from offload_shim import _devices, _staging
+from offload_shim import _devices, _pipeline_gather, _staging
 from offload_shim._patching import Target
 
 MODULE = "torch.distributed.tensor._api"
@@ -46,6 +58,10 @@ def _make_full_tensor_wrapper(original):
         device = _staging_device_for_mesh(local, mesh, instance.numel() * local.element_size())
         if device is None:
             return wrapped(*args, **kwargs)
+        if not args and set(kwargs) <= {"grad_placements"} and kwargs.get("grad_placements") is None:
+            chunked = _pipeline_gather.plan(instance, device)
+            if chunked is not None:
+                return _pipeline_gather.full_tensor(instance, chunked)
         from torch.distributed.tensor import DTensor
 
         staged = DTensor.from_local(

@@ -1,6 +1,6 @@
 """What the tests observe of offload_shim inside a rank: its staging decisions (logged at DEBUG on logger
-``offload_shim``, with the record attributes ``offload_shim_collective`` and ``offload_shim_device``), and settings
-changed for one block."""
+``offload_shim``, with the record attributes ``offload_shim_collective`` and ``offload_shim_device``), the calls
+it makes of a torch function, and settings changed for one block."""
 
 from __future__ import annotations
 
@@ -48,6 +48,24 @@ def configured(**settings):
         yield
     finally:
         offload_shim.configure(**dataclasses.asdict(previous))
+
+
+@contextlib.contextmanager
+def counting_calls(module, name: str):
+    """Yields a list that gets one entry for each call of ``module.name`` made inside the block (the function bound
+    there when the block starts, called through); binds that function back afterwards."""
+    original = getattr(module, name)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, original)
 
 
 def rss_bytes() -> int:

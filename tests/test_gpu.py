@@ -1,5 +1,6 @@
-"""GPU tests: cases 01, 08, 10 and 12 and async work handles, on two ranks with one accelerator each and a
-process group whose only backend is the accelerator's (NCCL on CUDA). Skipped where two accelerators are absent.
+"""GPU tests: cases 01, 08, 10 and 12, async work handles and the chunked full_tensor, on two ranks with one
+accelerator each and a process group whose only backend is the accelerator's (NCCL on CUDA). Skipped where two
+accelerators are absent.
 
 Run: ``python -m pytest -m gpu tests/test_gpu.py`` (``examples/run_gpu_checks.sh`` runs them with the example)."""
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 import offload_shim
 from bitwise import same_bits
+from observe import configured, counting_calls
 
 pytestmark = [
     pytest.mark.gpu,
@@ -148,9 +150,22 @@ def case10_broadcast(pinned: bool, dtype_name: str, asynchronous: bool):
     return seconds
 
 
+def offloaded_weight(mesh, rows: int, dtype: torch.dtype, seed: int):
+    """The weight of a ``Linear(4096, rows)`` sharded by FSDP2 over ``mesh`` with ``CPUOffloadPolicy`` (a DTensor
+    whose local tensor is pinned host memory), and the full weight it was made from."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4096, rows, bias=False).to(dtype)
+    full = model.weight.detach().clone()
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+    weight = model.weight
+    assert weight.to_local().device.type == "cpu" and weight.to_local().is_pinned()
+    return weight, full
+
+
 def case08_full_tensor():
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     device = accelerator()
     gloo_and_accelerator = dist.new_group(backend=f"cpu:gloo,{device.type}:{dist.get_backend()}")
@@ -160,12 +175,7 @@ def case08_full_tensor():
         # cache would otherwise hand one mesh's specs (and so its group) to the other's tensors.
         mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=(group_name,))
         for dtype in (torch.float32, torch.bfloat16):
-            torch.manual_seed(8)
-            model = torch.nn.Linear(4096, 8192, bias=False).to(dtype)
-            full = model.weight.detach().clone()
-            fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
-            weight = model.weight
-            assert weight.to_local().device.type == "cpu" and weight.to_local().is_pinned()
+            weight, full = offloaded_weight(mesh, 8192, dtype, seed=8)
             if group_name == "accelerator-only" and dtype == torch.float32:
                 fails_without_shim(weight.full_tensor)
             with shim():
@@ -177,6 +187,42 @@ def case08_full_tensor():
             assert got.device.type == "cpu" and same_bits(got.detach(), full), (group_name, dtype)
             assert same_bits(got_no_grad, full)
     return timings
+
+
+def full_tensor_chunked(chunk_mib: int):
+    """full_tensor of an FSDP2-offloaded weight with uneven rows (8191 over 2 ranks: 4096 and 4095), gathered in
+    chunks of ``chunk_mib`` (_pipeline_gather): bitwise equal to the weight, the shard left alone, one gather a step,
+    and at most 4 chunks of accelerator memory during the call, the pool's slots made inside it (staged whole, it
+    took the shard and the full tensor: 24 chunks of 8 MiB in fp32)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device, rank = accelerator(), dist.get_rank()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("chunked_full_tensor",))
+    chunk = chunk_mib << 20
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        weight, full = offloaded_weight(mesh, 8191, dtype, seed=9)
+        local = weight.to_local()
+        assert local.shape == ((4096, 4095)[rank], 4096)
+        before = local.detach().clone()
+        # Rows of each rank per step: the chunk over both ranks' rows; steps: the larger shard's rows over those.
+        rows = chunk // (2 * 4096 * dtype.itemsize)
+        steps = -(-4096 // rows)
+        dist.barrier()
+        with shim(), configured(chunk_bytes=chunk), counting_calls(dist, "all_gather_into_tensor") as gathers:
+            offload_shim.release_buffers()  # the call makes its pool: its slots count
+            torch.accelerator.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            got = weight.full_tensor()
+            peak = torch.cuda.max_memory_allocated(device) - base
+        assert len(gathers) == steps, (dtype, len(gathers), steps)
+        assert got.device.type == "cpu" and got.is_pinned() and got.is_contiguous()
+        assert same_bits(got.detach(), full), dtype
+        assert same_bits(local.detach(), before), dtype
+        assert peak <= 4 * chunk, (dtype, peak / chunk)
+        peaks[str(dtype)] = peak / chunk
+    return peaks
 
 
 def _train(mesh, offload: bool, steps: int, norm_type: float, seed: int = 1):
@@ -261,6 +307,11 @@ def test_case10_broadcast_cpu_state_dict(accelerator_ranks, pinned, dtype_name, 
 def test_case08_full_tensor_offloaded_param(accelerator_ranks):
     timings = accelerator_ranks.run(case08_full_tensor)
     print("full_tensor seconds (rank 0):", timings[0])
+
+
+def test_full_tensor_chunked_offloaded_weight(accelerator_ranks):
+    peaks = accelerator_ranks.run(full_tensor_chunked, 8)
+    print(f"\npeak extra accelerator memory of a chunked full_tensor, in chunks of 8 MiB: {peaks}")
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])

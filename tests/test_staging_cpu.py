@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 
 import offload_shim
 from bitwise import same_bits
-from observe import configured, recording_staging
+from observe import configured, counting_calls, recording_staging
 from offload_shim import _pipeline, _staging
 
 # ---------------------------------------------------------------- helpers run inside the ranks
@@ -318,6 +318,111 @@ def check_async_chunked_out_of_order(pageable_path):
         _pipeline.PAGEABLE_PATH = path
 
 
+def same_input(shape, dtype, seed):
+    """The same tensor on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    return torch.randint(-(2**40), 2**40, shape, generator=generator).to(dtype)
+
+
+def check_full_tensor_chunked():
+    """DTensor.full_tensor of Shard(0) host shards gathered in chunks of 64 bytes (_pipeline_gather), against
+    torch's own full_tensor of the same DTensor on the Gloo group: bits, layout, the shard left alone, gradients,
+    and the number of chunked gathers (0 where it must be staged whole). Then ranks that disagree."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from offload_shim import _pipeline_gather
+
+    chunk = 64
+    flat = init_device_mesh("cpu", (2,), mesh_dim_names=("ft_flat",))
+    # Distinct dim names: DeviceMesh equality ignores process groups (see the README).
+    square = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ft_replicate", "ft_shard"))
+    f32, bf16 = torch.float32, torch.bfloat16
+    cases = [  # shape, dtype, mesh, placements, full_tensor's arguments, chunked gathers (steps) expected
+        ((64,), f32, flat, [Shard(0)], {}, 4),  # even: 8 rows of 4 bytes from each rank a step
+        ((32,), f32, flat, [Shard(0)], {}, 2),  # exactly 2 chunks
+        ((1000,), f32, flat, [Shard(0)], {}, 63),  # many chunks, the last one short
+        ((101,), bf16, flat, [Shard(-1)], {}, 4),  # uneven (51 and 50 rows); a negative dim (torch normalises it)
+        ((7, 5), f32, flat, [Shard(0)], {}, 4),  # uneven (4 and 3 rows), 1 row a step
+        ((1, 40), f32, flat, [Shard(0)], {}, 1),  # N < W: rank 1 holds no row; a row larger than the chunk
+        ((3, 40), f32, flat, [Shard(0)], {}, 2),  # uneven, rows larger than the chunk
+        ((11, 3, 4), bf16, flat, [Shard(0)], {}, 6),  # 3-D, uneven
+        ((13, 3), torch.int64, flat, [Shard(0)], {}, 7),
+        ((50, 3), torch.bool, flat, [Shard(0)], {}, 3),
+        ((9, 4), f32, square, [Replicate(), Shard(0)], {}, 3),
+        ((9, 4), f32, square, [Shard(0), Replicate()], {}, 3),  # sharded over a mesh dim of one rank
+        # staged whole:
+        ((31,), f32, flat, [Shard(0)], {}, 0),  # under 2 chunks
+        ((6, 40), f32, flat, [Shard(1)], {}, 0),
+        ((9, 4), f32, square, [Shard(0), Shard(0)], {}, 0),
+        ((9, 4), f32, flat, [Shard(0)], {"grad_placements": [Replicate()]}, 0),
+    ]
+    for index, (shape, dtype, mesh, placements, kwargs, steps) in enumerate(cases):
+        what = (shape, dtype, placements, kwargs)
+        full = same_input(shape, dtype, seed=index)
+        sharded = distribute_tensor(full, mesh, placements)
+        local = sharded.to_local()
+        before, pointer = local.clone(), local.data_ptr()
+        expected = sharded.full_tensor(**kwargs)  # torch's own: Gloo serves the CPU
+        with staging_through_cpu(chunk_bytes=chunk) as devices, counting_calls(dist, "all_gather_into_tensor") as gathers:
+            plan = _pipeline_gather.plan(sharded, torch.device("cpu"))
+            poison_staging_buffers()
+            got = sharded.full_tensor(**kwargs)
+            poison_staging_buffers()
+        assert devices and len(gathers) == steps, (what, devices, len(gathers))
+        assert type(got) is torch.Tensor and got.device.type == "cpu" and got.is_contiguous(), what
+        assert got.shape == shape and got.dtype == dtype, what
+        assert same_bits(got, expected) and same_bits(got, full), what
+        assert local.data_ptr() == pointer and same_bits(local, before), what
+        if steps:  # the plan's shard layout is torch's
+            local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+            assert plan.shard(plan.index) == (offset[0], local_shape[0]) and plan.steps == steps, what
+        if not dtype.is_floating_point:
+            continue
+        # Gradients: torch's own full_tensor backward against the staged one's.
+        weights = same_input(shape, torch.float32, seed=100 + index)
+        grads = []
+        for stage in (False, True):
+            leaf = distribute_tensor(full, mesh, placements).requires_grad_()
+            with staging_through_cpu(chunk_bytes=chunk) if stage else contextlib.nullcontext():
+                with counting_calls(dist, "all_gather_into_tensor") as gathers:
+                    out = leaf.full_tensor(**kwargs)
+                    with torch.no_grad():
+                        out_no_grad = leaf.full_tensor(**kwargs)
+            assert not stage or len(gathers) == 2 * steps, (what, len(gathers))
+            assert out.requires_grad and not out_no_grad.requires_grad and same_bits(out_no_grad, full), what
+            (out.float() * weights).sum().backward()
+            grads.append(leaf.grad)
+        reference, staged = grads
+        assert staged.placements == reference.placements and staged.shape == reference.shape, what
+        assert same_bits(staged.to_local(), reference.to_local()), what
+
+    rank = dist.get_rank()
+    sharded = distribute_tensor(same_input((64,), f32, seed=0), flat, [Shard(0)])
+    # Ranks that disagree on the chunk size (both pipelined): every rank raises before any gather.
+    with staging_through_cpu(chunk_bytes=32 if rank == 0 else 64), counting_calls(dist, "all_gather_into_tensor") as gathers:
+        with pytest.raises(offload_shim.StagingError, match="disagree.*chunk sizes"):
+            sharded.full_tensor()
+    assert gathers == []
+    # Shards not laid out as torch's Shard(0) (from_local with a shape): on one rank, then on both.
+    for rows in ([2, 3], [1, 3]):
+        mislaid = DTensor.from_local(
+            torch.zeros(rows[rank], 40), flat, [Shard(0)], run_check=False, shape=(4, 40), stride=(40, 1)
+        )
+        with staging_through_cpu(chunk_bytes=chunk), counting_calls(dist, "all_gather_into_tensor") as gathers:
+            message = "disagree" if rows[0] == 2 else "not the .* that torch's Shard.0. .* gives it"
+            with pytest.raises(offload_shim.StagingError, match=message):
+                mislaid.full_tensor()
+        assert gathers == []
+    with staging_through_cpu(chunk_bytes=chunk):  # the ranks are still in step
+        assert same_bits(sharded.full_tensor(), same_input((64,), f32, seed=0))
+
+
 @pytest.mark.parametrize("pageable_path", ["bounce", "driver"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_broadcast_chunked(gloo_ranks, pageable_path, asynchronous):
@@ -327,6 +432,34 @@ def test_broadcast_chunked(gloo_ranks, pageable_path, asynchronous):
 @pytest.mark.parametrize("pageable_path", ["bounce", "driver"])
 def test_async_chunked_waited_late_and_out_of_order(gloo_ranks, pageable_path):
     gloo_ranks.run(check_async_chunked_out_of_order, pageable_path)
+
+
+def test_full_tensor_chunked(gloo_ranks):
+    gloo_ranks.run(check_full_tensor_chunked)
+
+
+def test_full_tensor_chunked_placements():
+    """Which placements full_tensor gathers in chunks: the mesh dim of the one Shard(0), where every other is
+    Replicate (a negative dim normalised here too, whatever torch does before)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from offload_shim._pipeline_gather import _sharded_mesh_dim
+
+    assert _sharded_mesh_dim([Shard(0)], 2) == 0
+    assert _sharded_mesh_dim([Shard(-1)], 1) == 0
+    assert _sharded_mesh_dim([Replicate(), Replicate(), Shard(-3)], 3) == 2
+    for placements, ndim in (
+        ([Shard(-1)], 2),
+        ([Shard(1)], 2),
+        ([Replicate()], 2),
+        ([Shard(0), Shard(0)], 2),
+        ([Shard(0), Shard(1)], 2),
+        ([Partial(), Shard(0)], 2),
+        ([_StridedShard(0, split_factor=2), Shard(0)], 2),
+        ([_StridedShard(0, split_factor=2), Replicate()], 2),
+    ):
+        assert _sharded_mesh_dim(placements, ndim) is None, placements
 
 
 def test_non_contiguous_tensor_staged_whole(gloo_ranks):
