@@ -5,6 +5,7 @@ it makes of a torch function, and settings changed for one block."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
@@ -69,6 +70,11 @@ def counting_calls(module, name: str):
 
 
 def rss_bytes() -> int:
-    """This process's resident host memory, in bytes (Linux)."""
+    """This process's resident host memory, in bytes (Linux), after the C allocator has handed back what it holds
+    freed (glibc's ``malloc_trim``): what the process keeps, not where the allocator's caching stands."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # another C library: RSS as it is
+        pass
     with open(f"/proc/{os.getpid()}/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

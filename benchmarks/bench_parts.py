@@ -1,0 +1,199 @@
+"""Where the time of a staged call goes, on two accelerators: the parts behind bench_staging.py's figures, for
+tuning (one run, each route's minimum over rounds).
+
+    torchrun --nproc_per_node 2 benchmarks/bench_parts.py [--only wrapper,small,copies,pageable,full_tensor,pinned]
+
+* ``wrapper``: CPU time per call of a one-element NCCL all_reduce of an accelerator tensor: bare, inside a wrapt
+  pass-through wrapper, with the shim.
+* ``small``: a 0-dim pageable all_reduce: staged by hand, the fast path's steps by hand, the shim; then a profile of
+  the shim's calls.
+* ``copies``: a 16 MiB pageable-to-pinned host copy over 1 to 32 threads and piece sizes.
+* ``pageable``, ``pinned``: 256 MiB all_reduce by chunk size (and chunks in flight), against the copy limits.
+* ``full_tensor``: an FSDP2-offloaded 512 MiB weight by chunk size, with peak extra accelerator memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+
+import torch
+import torch.distributed as dist
+import wrapt
+
+import offload_shim
+from offload_shim import _config, _pipeline
+
+MiB = 1 << 20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    offload_shim.install()
+    wanted = set(args.only.split(",")) if args.only else None
+    results = {}
+
+    def say(key, value):
+        results[key] = value
+        if rank == 0:
+            print(key, json.dumps(value), flush=True)
+
+    def best(fn, calls, rounds=10, clock=time.perf_counter, sync=True):
+        low = float("inf")
+        for r in range(rounds + 1):
+            dist.barrier()
+            torch.cuda.synchronize()
+            start = clock()
+            for _ in range(calls):
+                fn()
+            if sync:
+                torch.cuda.synchronize()
+            if r:
+                low = min(low, (clock() - start) / calls)
+        t = torch.tensor([low], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    if wanted is None or "wrapper" in wanted:
+        gpu = torch.ones(1, device=device)
+        offload_shim.uninstall()
+        raw = dist.all_reduce
+        passthrough = wrapt.FunctionWrapper(raw, lambda wrapped, instance, a, k: wrapped(*a, **k))
+        out = {}
+        for _ in range(2):
+            for name, fn in (("bare", lambda: raw(gpu)), ("wrapt_pass_through", lambda: passthrough(gpu))):
+                out[name] = min(out.get(name, 1), best(fn, 500, 10, time.thread_time))
+            offload_shim.install()
+            out["shim"] = min(out.get("shim", 1), best(lambda: dist.all_reduce(gpu), 500, 10, time.thread_time))
+            offload_shim.uninstall()
+        offload_shim.install()
+        say("wrapper_cpu_us", {k: v * 1e6 for k, v in out.items()})
+
+    if wanted is None or "small" in wanted:
+        t = torch.zeros(())
+        host = torch.zeros((), pin_memory=True)
+        staged = torch.zeros((), device=device)
+        stream = torch.cuda.current_stream()
+
+        def hand():
+            s = t.to(device)
+            dist.all_reduce(s)
+            t.copy_(s)
+
+        def steps():
+            host.copy_(t)
+            staged.copy_(host, non_blocking=True)
+            dist.all_reduce(staged)
+            host.copy_(staged, non_blocking=True)
+            stream.synchronize()
+            t.copy_(host)
+
+        def pageable_steps():
+            staged.copy_(t)
+            dist.all_reduce(staged)
+            t.copy_(staged)
+
+        out = {}
+        for name, installed, fn in (("hand", False, hand), ("steps_pinned", False, steps),
+                                    ("steps_pageable", False, pageable_steps), ("shim", True, lambda: dist.all_reduce(t)),
+                                    ("hand_again", False, hand), ("shim_again", True, lambda: dist.all_reduce(t))):
+            offload_shim.install() if installed else offload_shim.uninstall()
+            out[name] = best(fn, 200, 10) * 1e6
+        offload_shim.install()
+        say("small_us_per_call", out)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(2000):
+            dist.all_reduce(t)
+        profile.disable()
+        if rank == 0:
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+            print(text.getvalue(), flush=True)
+
+    if wanted is None or "copies" in wanted:
+        src = torch.ones(4 * MiB)  # 16 MiB pageable
+        dst = torch.empty(4 * MiB, pin_memory=True)
+        out = {}
+        threads_default, piece_default = _pipeline.copy_threads, _pipeline.MIN_THREADED_COPY_BYTES
+        for threads in (1, 4, 8, 16, 32):
+            for piece in (1 * MiB, 4 * MiB):
+                _pipeline.copy_threads = lambda threads=threads: threads
+                _pipeline.MIN_THREADED_COPY_BYTES = piece
+                _pipeline._copy_pool.clear()
+                out[f"{threads}_threads_{piece >> 20}MiB_pieces"] = 16 * MiB / best(
+                    lambda: _pipeline._host_copies([(dst, src)]), 20, 10, sync=False) / 1e9
+        _pipeline.copy_threads, _pipeline.MIN_THREADED_COPY_BYTES = threads_default, piece_default
+        _pipeline._copy_pool.clear()
+        say("host_copy_16MiB_GBps", out)
+
+    if wanted is None or "pageable" in wanted or "pinned" in wanted:
+        default = _config.settings().chunk_bytes
+        out = {}
+        for pinned in (True, False):
+            if wanted is not None and ("pinned" if pinned else "pageable") not in wanted:
+                continue
+            t = torch.ones(64 * MiB, pin_memory=pinned)  # 256 MiB
+            for chunk in (8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB):
+                for slots in (2, 3):
+                    offload_shim.configure(chunk_bytes=chunk)
+                    _pipeline.SLOTS = slots
+                    out[f"{'pinned' if pinned else 'pageable'}_{chunk >> 20}MiB_{slots}slots_ms"] = best(
+                        lambda: dist.all_reduce(t), 1, 4) * 1e3
+        _pipeline.SLOTS = 2
+        offload_shim.configure(chunk_bytes=default)
+        say("all_reduce_256MiB", out)
+        if wanted is None or "pageable" in wanted:
+            t = torch.ones(64 * MiB)
+            dist.all_reduce(t)
+            profile = cProfile.Profile()
+            profile.enable()
+            dist.all_reduce(t)
+            profile.disable()
+            if rank == 0:
+                text = io.StringIO()
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+                print(text.getvalue(), flush=True)
+
+    if wanted is None or "full_tensor" in wanted:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh_dim_names=("parts",))
+        model = torch.nn.utils.skip_init(torch.nn.Linear, 16384, 8192, bias=False)
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        default = _config.settings().chunk_bytes
+        out = {}
+        for chunk in (8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB):
+            offload_shim.configure(chunk_bytes=chunk)
+            out[f"{chunk >> 20}MiB_ms"] = best(lambda: model.weight.full_tensor(), 1, 5) * 1e3
+            _pipeline.release_buffers()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            model.weight.full_tensor()
+            torch.cuda.synchronize()
+            out[f"{chunk >> 20}MiB_peak_chunks"] = (torch.cuda.max_memory_allocated() - before) / chunk
+        offload_shim.configure(chunk_bytes=default)
+        say("full_tensor_512MiB", out)
+
+    if rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
