@@ -179,21 +179,31 @@ def small_calls(bench) -> None:
 
 
 def served_path(bench) -> None:
-    """CPU time the wrappers add to calls that need no staging (shim installed against uninstalled)."""
+    """CPU time the wrappers add to calls that need no staging: shim installed against uninstalled, and, for
+    reference, the same call through a wrapt pass-through wrapper (what wrapping alone costs)."""
+    import wrapt
+
     nccl, gloo = bench.groups["nccl"], bench.groups["gloo"]
     gpu = torch.ones(1, device=bench.device)
     gathered = torch.empty(dist.get_world_size(), device=bench.device)
     host = torch.ones(1)
+    offload_shim.uninstall()
+    through = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)  # noqa: E731
     cases = {
-        "all_reduce, accelerator tensor": lambda: dist.all_reduce(gpu, group=nccl),
-        "all_gather_into_tensor, accelerator tensors": lambda: dist.all_gather_into_tensor(gathered, gpu, group=nccl),
-        "all_reduce, CPU tensor on a group that serves CPU": lambda: dist.all_reduce(host, group=gloo),
+        "all_reduce, accelerator tensor": (dist.all_reduce, (gpu,), {"group": nccl}),
+        "all_gather_into_tensor, accelerator tensors": (dist.all_gather_into_tensor, (gathered, gpu), {"group": nccl}),
+        "all_reduce, CPU tensor on a group that serves CPU": (dist.all_reduce, (host,), {"group": gloo}),
     }
-    calls, rounds = (50, 3) if bench.smoke else (500, 20)
-    for name, fn in cases.items():
-        best = {True: float("inf"), False: float("inf")}
+    calls, rounds = (50, 3) if bench.smoke else (200, 40)
+    for name, (function, args, kwargs) in cases.items():
+        wrapped = wrapt.FunctionWrapper(function, through)
+        routes = {"on": (True, lambda: getattr(dist, function.__name__)(*args, **kwargs)),
+                  "off": (False, lambda: function(*args, **kwargs)),
+                  "wrapt": (False, lambda: wrapped(*args, **kwargs))}
+        best = {route: float("inf") for route in routes}
         for round_ in range(rounds + 1):
-            for installed in (True, False) if round_ % 2 else (False, True):
+            for route in routes if round_ % 2 else list(routes)[::-1]:
+                installed, fn = routes[route]
                 offload_shim.install() if installed else offload_shim.uninstall()
                 dist.barrier(group=nccl)
                 bench.sync()
@@ -203,11 +213,11 @@ def served_path(bench) -> None:
                 per_call = (time.thread_time() - start) / calls
                 bench.sync()
                 if round_:
-                    best[installed] = min(best[installed], per_call)
+                    best[route] = min(best[route], per_call)
         offload_shim.install()
-        on, off = bench.slowest(best[True]), bench.slowest(best[False])
+        on, off, through_wrapt = (bench.slowest(best[route]) for route in ("on", "off", "wrapt"))
         bench.record(kind="served", case=name, calls_per_round=calls, rounds=rounds, shim_on_cpu_seconds=on,
-                     shim_off_cpu_seconds=off, added_cpu_seconds=on - off)
+                     shim_off_cpu_seconds=off, added_cpu_seconds=on - off, wrapt_pass_through_added_cpu_seconds=through_wrapt - off)
 
 
 def pageable(bench, nbytes: int, limits: dict, floor_bandwidth: float) -> None:

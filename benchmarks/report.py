@@ -44,7 +44,8 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, str]]:
         if r["kind"] == "served":
             added = r["added_cpu_seconds"]
             rows.append((f"served path, {r['case']}: <= 1 us CPU added", f"{us(added)} us",
-                         f"{us(r['shim_on_cpu_seconds'])} on, {us(r['shim_off_cpu_seconds'])} off (min per call)",
+                         f"{us(r['shim_on_cpu_seconds'])} on, {us(r['shim_off_cpu_seconds'])} off (min per call); a wrapt "
+                         f"pass-through wrapper adds {us(r['wrapt_pass_through_added_cpu_seconds'])}",
                          "yes" if added <= 1e-6 else "no"))
     r = _first(records, "pageable")
     if r:

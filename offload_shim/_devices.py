@@ -121,12 +121,19 @@ def resolve_functional_group(group, tag: str = "") -> dist.ProcessGroup | None:
         return None
 
 
+_usable_devices: dict[torch.device, bool] = {}
+
+
 def _usable(device: torch.device) -> bool:
-    """Whether this process can stage through accelerator ``device``."""
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None or accelerator.type != device.type or not torch.accelerator.is_available():
-        return False
-    return device.index is None or device.index < torch.accelerator.device_count()
+    """Whether this process can stage through accelerator ``device``. Cached: a process's accelerators do not
+    change, and asking the runtime costs more than a small staged call's copies."""
+    usable = _usable_devices.get(device)
+    if usable is None:
+        accelerator = torch.accelerator.current_accelerator()
+        usable = accelerator is not None and accelerator.type == device.type and torch.accelerator.is_available()
+        usable = usable and (device.index is None or device.index < torch.accelerator.device_count())
+        _usable_devices[device] = usable
+    return usable
 
 
 def _accelerator_device(served: frozenset[str]) -> torch.device | None:

@@ -101,20 +101,31 @@ def writable(destination: torch.Tensor):
     return torch.inference_mode() if destination.is_inference() else contextlib.nullcontext()
 
 
-# Synchronous in-place calls of at most this many bytes take stage_small_in_place: this thread's reused slots.
+# Synchronous in-place calls of at most this many bytes take stage_small_in_place: this thread's reused slot.
 SMALL_CALL_BYTES = 1 << 20
 
 
 class _SmallSlot:
-    """A host buffer (pinned when ``device`` is an accelerator) and a buffer on ``device``, of ``nbytes`` each,
-    for one thread's small staged calls. ``pending``: an event of an H2D copy from ``host`` that no one has waited
-    for (a call that only reads), waited before the slot is written again."""
+    """A buffer of ``nbytes`` on ``device`` for one thread's small staged calls, with its views by dtype and shape
+    (a view costs more than the copy of a few bytes). ``pending``: an event after a collective that reads the slot
+    and that no one has waited for (a call that only reads), waited before the slot is written again."""
+
+    VIEWS = 64  # at most this many (dtype, shape) views kept; more, and the oldest go
 
     def __init__(self, device: torch.device, nbytes: int, generation: int):
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
         self.staged = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.generation = generation
         self.pending = None
+        self.views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = (tensor.dtype, tensor.shape)
+        view = self.views.get(key)
+        if view is None:
+            if len(self.views) >= self.VIEWS:
+                del self.views[next(iter(self.views))]
+            view = self.views[key] = self.staged[: tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        return view
 
 
 class _ThreadSlots(threading.local):
@@ -135,56 +146,56 @@ def release_small_slots() -> None:
 
 def small_slot_buffers() -> list[torch.Tensor]:
     """This thread's small-call slot buffers (for tests that poison them between uses and watch their reuse)."""
-    return [buffer for slot in _slots.by_device.values() for buffer in (slot.host, slot.staged)]
+    return [slot.staged for slot in _slots.by_device.values()]
 
 
 def _small_slot(device: torch.device, nbytes: int) -> _SmallSlot:
     slot = _slots.by_device.get(device)
-    if slot is None or slot.generation != _slot_generation or slot.host.numel() < nbytes:
+    if slot is None or slot.generation != _slot_generation or slot.staged.numel() < nbytes:
         slot = _slots.by_device[device] = _SmallSlot(device, max(512, 1 << (nbytes - 1).bit_length()), _slot_generation)
     elif slot.pending is not None:
         slot.pending.synchronize()
-    slot.pending = None
+        slot.pending = None
     return slot
 
 
 def stage_small_in_place(tensor: torch.Tensor, device: torch.device, run: Callable, *, reads: bool, writes: bool):
     """Run a synchronous in-place collective on host ``tensor`` (at most :data:`SMALL_CALL_BYTES`, any strides)
-    staged through this thread's reused slots on ``device``: a host copy into the pinned slot, one non-blocking
-    H2D, ``run(staged)`` (the collective on a contiguous tensor of ``tensor``'s shape and dtype on ``device``),
-    one non-blocking D2H, one wait for the device's current stream, and a host copy into ``tensor``. No allocation
-    after a thread's first call of a size.
+    through this thread's reused slot on ``device``, with the fewest steps its semantics allow: one H2D copy from
+    the caller's memory, ``run(staged)`` (the collective on a contiguous tensor of ``tensor``'s shape and dtype on
+    ``device``), and one blocking D2H copy into the caller's tensor, which is the call's one wait for the device.
+    A call that only reads (a broadcast's source, a reduce's other ranks) copies H2D blocking instead, so the
+    caller may reuse its tensor on return. No allocation after a thread's first call of a size; no pool, no
+    pipeline, no pinned staging copy (measured no faster for a few bytes: results/gpu/issue8_parts).
 
     Args:
         reads: whether the collective reads this rank's data (not on a broadcast's receiving ranks).
-        writes: whether it writes this rank's data (not on a broadcast's source, nor a reduce's other ranks);
-            a call that only reads returns without waiting for its H2D copy (the slot's next use waits for it).
+        writes: whether it writes this rank's data (not on a broadcast's source, nor a reduce's other ranks).
 
     Returns:
         What ``run`` returned, once ``tensor`` holds the result. If ``run`` raises, ``tensor`` is unchanged.
     """
-    finish_writes_to((tensor,))
-    nbytes = tensor.nbytes
-    slot = _small_slot(device, nbytes)
-    host = slot.host[:nbytes].view(tensor.dtype).view(tensor.shape)
-    staged = slot.staged[:nbytes].view(tensor.dtype).view(tensor.shape)
-    with torch.no_grad():
-        if reads:
-            host.copy_(tensor)
-            staged.copy_(host, non_blocking=True)
-        try:
-            with staged_call():
-                result = run(staged)
-        except BaseException:
-            slot.pending = _record(device)
-            raise
-        if writes:
-            host.copy_(staged, non_blocking=True)
-            _finish_on(device)
-            with writable(tensor):
-                tensor.data.copy_(host)
+    if _pending:
+        finish_writes_to((tensor,))
+    slot = _small_slot(device, tensor.nbytes)
+    staged = slot.view(tensor)
+    source = tensor.detach() if tensor.requires_grad else tensor  # no graph: a collective is outside autograd
+    if reads:
+        staged.copy_(source, non_blocking=writes)  # blocking where nothing waits for the device after it
+    try:
+        with staged_call():
+            result = run(staged)
+    except BaseException:
+        slot.pending = _record(device)
+        raise
+    if writes:
+        if tensor.is_inference():
+            with torch.inference_mode():
+                tensor.data.copy_(staged)
         else:
-            slot.pending = _record(device)
+            tensor.data.copy_(staged)  # blocking: the copy, then a wait for the device's current stream
+    else:
+        slot.pending = _record(device)
     return result
 
 
