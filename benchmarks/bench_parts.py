@@ -123,6 +123,82 @@ def main() -> None:
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
             print(text.getvalue(), flush=True)
 
+    if wanted is None or "small_steps" in wanted:
+        from offload_shim import _devices, _staging
+
+        t = torch.zeros(())
+        group = dist.group.WORLD
+        slot = _staging._small_slot(device, t.nbytes)
+        raw = dist.distributed_c10d.all_reduce
+        offload_shim.uninstall()
+        raw = dist.all_reduce
+
+        def hand():
+            s = t.to(device)
+            raw(s)
+            t.copy_(s)
+
+        def direct():
+            staged = slot.view(t)
+            staged.copy_(t, non_blocking=True)
+            raw(staged)
+            t.data.copy_(staged)
+
+        def direct_blocking_h2d():
+            staged = slot.view(t)
+            staged.copy_(t)
+            raw(staged)
+            t.data.copy_(staged)
+
+        def decided():
+            _devices.staging_device_for(t, group, "torch.distributed.all_reduce", 4)
+            direct()
+
+        def small_path():
+            _staging.stage_small_in_place(t, device, raw, reads=True, writes=True)
+
+        out = {}
+        for _ in range(2):
+            for name, installed, fn in (("hand", False, hand), ("direct", False, direct),
+                                        ("direct_blocking_h2d", False, direct_blocking_h2d), ("decided", False, decided),
+                                        ("stage_small_in_place", False, small_path),
+                                        ("shim", True, lambda: dist.all_reduce(t))):
+                offload_shim.install() if installed else offload_shim.uninstall()
+                out[name] = min(out.get(name, 1e9), best(fn, 200, 8) * 1e6)
+                out[name + "_cpu"] = min(out.get(name + "_cpu", 1e9), best(fn, 200, 8, time.thread_time) * 1e6)
+        offload_shim.install()
+        say("small_steps_us", out)
+
+    if wanted is None or "pageable_timeline" in wanted:
+        spent = {"host_copies": 0.0, "copy_out": 0.0, "agree": 0.0, "calls": 0}
+        originals = (_pipeline._host_copies, _pipeline._copy_out, _pipeline._agree)
+
+        def timed(key, fn):
+            def run(*a, **k):
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    spent[key] += time.perf_counter() - start
+            return run
+
+        _pipeline._host_copies = timed("host_copies", originals[0])
+        _pipeline._copy_out = timed("copy_out", originals[1])
+        _pipeline._agree = timed("agree", originals[2])
+        t = torch.ones(64 * MiB)
+        dist.all_reduce(t)
+        total = float("inf")
+        for _ in range(4):
+            for key in spent:
+                spent[key] = 0
+            dist.barrier()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            total = time.perf_counter() - start
+        _pipeline._host_copies, _pipeline._copy_out, _pipeline._agree = originals
+        say("pageable_256MiB_last_call_ms", {"total": total * 1e3, **{k: v * 1e3 for k, v in spent.items() if k != "calls"}})
+
     if wanted is None or "copies" in wanted:
         src = torch.ones(4 * MiB)  # 16 MiB pageable
         dst = torch.empty(4 * MiB, pin_memory=True)

@@ -158,6 +158,20 @@ def backend_for(group: dist.ProcessGroup, device_type: str) -> str | None:
     return None
 
 
+# The last group whose host tensors were staged through a device fixed by the group and the settings: (weak
+# reference to the group, the settings then, the device). One call on that group with those settings decides the
+# same way for every dense host tensor, and a small staged call costs little more than this decision.
+_last_staged: tuple = (lambda: None, None, None)
+
+
+def _remember(group: dist.ProcessGroup, settings: _config.Settings, device: torch.device) -> None:
+    global _last_staged
+    try:
+        _last_staged = (weakref.ref(group), settings, device)
+    except TypeError:  # a group type without weak references: not remembered
+        pass
+
+
 def staging_device_for(
     tensor: torch.Tensor, group: dist.ProcessGroup, collective: str, route_bytes: int | None = None
 ) -> torch.device | None:
@@ -174,17 +188,22 @@ def staging_device_for(
     """
     if not tensor.is_cpu or _staging.in_staged_call():
         return None
-    served = served_device_types(group)
     settings = _config.settings()
+    last, last_settings, last_device = _last_staged
+    if last() is group and last_settings is settings and _staging.needs_staging(tensor):
+        return _staging_through(last_device, tensor, group, collective)  # as decided below for this group before
+    served = served_device_types(group)
     cpu_served = "cpu" in served
     if cpu_served and not (settings.always_stage or _routes(route_bytes, settings)):
         return None  # the served path: no more work than this on a call that needs no staging
     if not _staging.needs_staging(tensor):  # sparse or nested: left to a CPU backend, never staged
         return _unstaged_layout(tensor, group, collective, served)
     device = settings.staging_device
+    fixed = device is not None  # a device that depends on nothing but the group and the settings
     if device is None:
         bound = getattr(group, "bound_device_id", None)
-        device = bound if bound is not None and bound.type in served else _accelerator_device(served)
+        fixed = bound is not None and bound.type in served
+        device = bound if fixed else _accelerator_device(served)  # else the current device, which may change
     if device is not None and device.type != "cpu" and not _usable(device):
         device = None
     if device is not None and device.type in served:
@@ -192,6 +211,8 @@ def staging_device_for(
         if cpu_served and not settings.always_stage and device.type != "cpu":
             if backend_for(group, device.type) == backend_for(group, "cpu"):
                 return None
+        if fixed and not cpu_served:  # the same answer for every dense tensor on this group, whatever its size
+            _remember(group, settings, device)
         return _staging_through(device, tensor, group, collective)
     if cpu_served:
         return None

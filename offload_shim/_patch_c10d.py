@@ -73,6 +73,7 @@ def _in_place_wrapper(collective: str):
             _log.warning("offload_shim: %s has no parameter(s) %s in this torch; not staged", name, missing)
             return lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)
         at, group_at = parameters.position("tensor"), parameters.position("group")
+        has_roles = collective != "all_reduce"  # an all_reduce reads and writes on every rank
 
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
@@ -87,7 +88,7 @@ def _in_place_wrapper(collective: str):
             if device is None:
                 return wrapped(*args, **kwargs)
             async_op = bool(parameters.get(args, kwargs, "async_op", False))
-            reads, writes = _roles(collective, parameters, args, kwargs, group)
+            reads, writes = _roles(collective, parameters, args, kwargs, group) if has_roles else (True, True)
             # Chosen from what every rank shares (the size, the settings), so that every rank splits it alike.
             if nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * _config.settings().chunk_bytes:
                 def launch(chunk):

@@ -182,12 +182,15 @@ def stage_small_in_place(tensor: torch.Tensor, device: torch.device, run: Callab
     source = tensor.detach() if tensor.requires_grad else tensor  # no graph: a collective is outside autograd
     if reads:
         staged.copy_(source, non_blocking=writes)  # blocking where nothing waits for the device after it
+    depth = _calls.depth  # as staged_call(), without its object: this path is for calls of a few bytes
+    _calls.depth = depth + 1
     try:
-        with staged_call():
-            result = run(staged)
+        result = run(staged)
     except BaseException:
         slot.pending = _record(device)
         raise
+    finally:
+        _calls.depth = depth
     if writes:
         if tensor.is_inference():
             with torch.inference_mode():
