@@ -256,18 +256,23 @@ def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) 
 
 
 def _unstaged_layout(tensor, group, collective: str, served) -> None:
-    """``None`` (left to torch) for a sparse or nested CPU tensor on a group that serves CPU; otherwise
-    :class:`StagingError`: the accelerator backends have no sparse collectives (NCCL: 'NCCL does not support
-    all_reduce with sparse tensors'), so staging could only fail later, or densify behind the caller's back."""
+    """``None`` (left to torch) for a sparse, nested or quantized CPU tensor on a group that serves CPU; otherwise
+    :class:`StagingError`, on every rank before any collective: the accelerator backends have no sparse
+    collectives (NCCL: 'NCCL does not support all_reduce with sparse tensors'), and a quantized tensor cannot be
+    copied as its bytes, so staging could only fail later (on some ranks only: a broadcast's receivers copy
+    nothing in), or convert behind the caller's back."""
     if "cpu" in served:
         return None
-    kind = "nested" if tensor.is_nested else str(tensor.layout).replace("torch.", "")
+    if tensor.is_quantized:
+        kind, dense = "quantized", "tensor.dequantize()"
+    else:
+        kind, dense = "nested" if tensor.is_nested else str(tensor.layout).replace("torch.", ""), "tensor.to_dense()"
     raise StagingError(
         f"offload_shim: {collective} got a {kind} tensor on {tensor.device} ({tuple(tensor.shape)}, {tensor.dtype}), "
         f"and process group {group_label(group)} with backend {backend_description(group)!r} serves device types "
-        f"{sorted(served)} only. offload_shim stages dense (strided) tensors only: the accelerator backends have no "
-        f"{kind} collectives. Ways out: pass a dense tensor (tensor.to_dense()); or give the group a CPU backend, "
-        f"e.g. init_process_group({_with_cpu_backend(group, served)!r}), which Gloo serves for sparse COO "
+        f"{sorted(served)} only. offload_shim stages dense (strided), unquantized tensors only: the accelerator "
+        f"backends have no {kind} collectives. Ways out: pass a dense tensor ({dense}); or give the group a CPU "
+        f"backend, e.g. init_process_group({_with_cpu_backend(group, served)!r}), which Gloo serves for sparse COO "
         f"all_reduce. The tensor was not modified."
     )
 

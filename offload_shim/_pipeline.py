@@ -90,9 +90,28 @@ def _host_copies(pairs) -> None:
             _copy_pool.append(concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="offload_shim_copy"))
         executor = _copy_pool[0]
     futures = [executor.submit(_copy, destination, source) for destination, source in pieces[1:]]
-    _copy(*pieces[0])
+    error = None
+    try:
+        _copy(*pieces[0])
+    except BaseException as exc:  # the other pieces are still copying: let them end before raising
+        error = exc
     for future in futures:
-        future.result()
+        try:
+            future.result()
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def _forget_copy_pool() -> None:
+    """In a forked child: the parent's copy threads are not there, so its executor would never run a piece."""
+    _copy_pool.clear()
+
+
+if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_copy_pool)
+    _fork_hook_registered = True  # once per process, across importlib.reload
 
 
 def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -154,7 +173,8 @@ class _Pool:
         self.d2h = _NoStream() if cpu else torch.Stream(device=device)
         # A chunk holds at least one element of any dtype (16 bytes: complex128).
         self.slot_bytes = max(chunk_bytes, 16)
-        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
+        with torch.inference_mode(False):  # reused by later calls, in inference mode or not
+            self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
         self.slot_free: list = [None] * SLOTS
         self._host: dict[str, list[torch.Tensor]] = {}
         self.host_in_free: list = [None] * SLOTS
@@ -162,7 +182,8 @@ class _Pool:
     def host(self, direction: str, index: int) -> torch.Tensor:
         """Pinned bounce buffer ``index`` for ``direction`` ('in' or 'out'), made on first use."""
         if direction not in self._host:
-            self._host[direction] = [_host_empty(self.slot_bytes, torch.uint8, self.device) for _ in range(SLOTS)]
+            with torch.inference_mode(False):
+                self._host[direction] = [_host_empty(self.slot_bytes, torch.uint8, self.device) for _ in range(SLOTS)]
         return self._host[direction][index]
 
     def buffers(self) -> list[torch.Tensor]:
@@ -332,7 +353,7 @@ def stage_in_place(
 
     def finish() -> None:
         done.synchronize()
-        if private is not None:
+        if private is not None and writes:  # a call that only reads leaves the caller's tensor as it is
             if contiguous:
                 _host_copies([(flat, private)])
             else:

@@ -113,7 +113,8 @@ class _SmallSlot:
     VIEWS = 64  # at most this many (dtype, shape) views kept; more, and the oldest go
 
     def __init__(self, device: torch.device, nbytes: int, generation: int):
-        self.staged = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with torch.inference_mode(False):  # a normal tensor, though the call that makes it may be in inference mode
+            self.staged = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.generation = generation
         self.pending = None
         self.views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
@@ -124,7 +125,8 @@ class _SmallSlot:
         if view is None:
             if len(self.views) >= self.VIEWS:
                 del self.views[next(iter(self.views))]
-            view = self.views[key] = self.staged[: tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+            with torch.inference_mode(False):  # kept for later calls, in inference mode or not
+                view = self.views[key] = self.staged[: tensor.nbytes].view(tensor.dtype).view(tensor.shape)
         return view
 
 
@@ -255,9 +257,15 @@ def finish_writes_to(tensors) -> None:
 
 
 def needs_staging(value) -> bool:
-    """Whether ``value`` is a host tensor that a staged call copies: a strided (dense), non-nested CPU tensor.
-    Sparse and nested tensors are never staged (see ``_devices._unstaged_layout``)."""
-    return isinstance(value, torch.Tensor) and value.is_cpu and value.layout == torch.strided and not value.is_nested
+    """Whether ``value`` is a host tensor that a staged call copies: a strided (dense), non-nested, non-quantized
+    CPU tensor. Sparse, nested and quantized tensors are never staged (see ``_devices._unstaged_layout``)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.is_cpu
+        and value.layout == torch.strided
+        and not value.is_nested
+        and not value.is_quantized
+    )
 
 
 class StagedArguments:

@@ -15,7 +15,7 @@ import torch.distributed._functional_collectives as funcol
 
 from bitwise import same_bits
 from observe import configured, rss_bytes
-from offload_shim import StagingError, _pipeline
+from offload_shim import StagingError, _devices, _pipeline
 from ranks import RankPool
 from test_staging_cpu import rank_input, staging_through_cpu
 
@@ -217,7 +217,7 @@ def check_sparse_refused_clearly_without_a_cpu_backend():
     offload_shim.install()
     tensor = _sparse("coo")
     before = tensor.to_dense()
-    with pytest.raises(StagingError, match=r"sparse_coo tensor .* dense \(strided\) tensors only") as raised:
+    with pytest.raises(StagingError, match=r"sparse_coo tensor .* dense \(strided\), unquantized tensors only") as raised:
         dist.all_reduce(tensor)
     assert "to_dense()" in str(raised.value) and "cpu:gloo" in str(raised.value)
     assert same_bits(tensor.to_dense(), before)
@@ -227,6 +227,131 @@ def check_sparse_refused_clearly_without_a_cpu_backend():
 
 def test_sparse_refused_clearly_without_a_cpu_backend(accelerator_only_ranks):
     accelerator_only_ranks.run(check_sparse_refused_clearly_without_a_cpu_backend)
+
+
+def check_quantized_left_to_torch_or_refused_on_every_rank(pipelined):
+    """A quantized tensor is never staged: where the group serves CPU, torch refuses a broadcast of it on every
+    rank with its own exception; where it serves none, StagingError on every rank (a broadcast's receivers copy
+    nothing in: unchecked, the source failed alone and the ranks fell out of step). Either way the ranks carry on."""
+    import offload_shim
+
+    offload_shim.install()
+    served = "cpu" in _devices.served_device_types(dist.group.WORLD)
+    quantized = torch.quantize_per_tensor(torch.arange(64.0), 0.5, 0, torch.qint8)
+    with configured(staging_device="cpu" if served else None, always_stage=served, chunk_bytes=16 if pipelined else 1 << 20):
+        with pytest.raises(NotImplementedError if served else StagingError) as raised:
+            dist.broadcast(quantized, src=0)
+    if not served:
+        assert "quantized tensor" in str(raised.value) and "dequantize()" in str(raised.value)
+    return str(type(raised.value).__name__)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["whole", "pipelined"])
+def test_quantized_left_to_torch(gloo_ranks, pipelined):
+    assert gloo_ranks.run(check_quantized_left_to_torch_or_refused_on_every_rank, pipelined) == ["NotImplementedError"] * 2
+    assert gloo_ranks.run(_all_reduce_of_ones) == [2.0, 2.0]  # the ranks are still in step
+
+
+def test_quantized_refused_clearly_without_a_cpu_backend(accelerator_only_ranks):
+    results = accelerator_only_ranks.run(check_quantized_left_to_torch_or_refused_on_every_rank, True)
+    assert results == ["StagingError"] * 2
+
+
+def _all_reduce_of_ones():
+    tensor = torch.ones(())
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+def check_reads_leave_the_callers_tensor_alone():
+    """A broadcast's source and a reduce's other ranks only read: a pipelined call of an expanded (stride 0)
+    tensor there succeeds, and a non-contiguous one is never written back (it was copied into, through a
+    contiguous buffer)."""
+    rank = dist.get_rank()
+    expanded = torch.tensor([7.0]).expand(40)
+    holder = torch.arange(80.0)
+    strided = holder[::2]
+    with staging_through_cpu(chunk_bytes=CHUNK):
+        if rank == 0:
+            dist.broadcast(expanded, src=0)
+            dist.broadcast(strided, src=0)
+        else:
+            received = torch.zeros(40)
+            dist.broadcast(received, src=0)
+            assert same_bits(received, torch.full((40,), 7.0))
+            dist.broadcast(received, src=0)
+            assert same_bits(received, torch.arange(0.0, 80.0, 2.0))
+        dist.reduce(expanded if rank == 1 else torch.ones(40), dst=0)
+    assert expanded.stride() == (0,) and same_bits(holder, torch.arange(80.0))
+
+
+def test_reads_leave_the_callers_tensor_alone(fault_ranks):
+    fault_ranks.run(check_reads_leave_the_callers_tensor_alone)
+
+
+def check_small_calls_after_inference_mode():
+    """A thread's first small call of a dtype and shape made in inference mode (an eval metric) leaves the slot
+    usable by the same call outside it (the training loss): unchecked, the slot's view was an inference tensor."""
+    _pipeline.release_buffers()
+    rank = dist.get_rank()
+    with staging_through_cpu():
+        with torch.inference_mode():
+            metric = torch.full((), rank + 1.0)
+            dist.all_reduce(metric)
+            flag = torch.full((3,), float(rank))
+            dist.broadcast(flag, src=1)
+        loss = torch.full((), rank + 1.0)
+        dist.all_reduce(loss)
+        state = torch.full((3,), float(rank))
+        dist.broadcast(state, src=1)
+    assert metric.item() == loss.item() == 3.0
+    assert same_bits(flag, torch.ones(3)) and same_bits(state, torch.ones(3))
+
+
+def test_small_calls_after_inference_mode(fault_ranks):
+    fault_ranks.run(check_small_calls_after_inference_mode)
+
+
+_FORKED_CHILD = """
+import multiprocessing, sys, torch
+from offload_shim import _pipeline
+
+def copy(connection):
+    source, destination = torch.ones(2 << 20), torch.empty(2 << 20)  # 8 MiB: two 4 MiB pieces
+    _pipeline._host_copies([(destination, source)])
+    connection.send(bool(torch.equal(destination, source)))
+
+if _pipeline.copy_threads() < 2:
+    sys.exit(3)  # one CPU: host copies are not split over threads
+source, destination = torch.ones(2 << 20), torch.empty(2 << 20)
+_pipeline._host_copies([(destination, source)])
+assert _pipeline._copy_pool, "the parent's copies were not split over threads"
+context = multiprocessing.get_context("fork")
+receiver, sender = context.Pipe(duplex=False)
+child = context.Process(target=copy, args=(sender,))
+child.start()
+finished = receiver.poll(60)
+child.join(5)
+if child.is_alive():
+    child.kill()
+sys.exit(0 if finished and receiver.recv() is True else 1)
+"""
+
+
+def test_copy_threads_work_in_a_forked_child():
+    """A child forked after the parent's copy threads started makes its own (the parent's executor has no threads
+    in the child: unchecked, the child waited forever for its pieces). In a process of its own with one intra-op
+    thread, as torchrun starts ranks (torch's own OpenMP copies hang in a child forked after they ran threaded)."""
+    import os
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "OFFLOAD_SHIM": "0"}
+    result = subprocess.run([sys.executable, "-c", _FORKED_CHILD], env=environment, capture_output=True, text=True,
+                            timeout=120)
+    if result.returncode == 3:
+        pytest.skip("one CPU: host copies are not split over threads")
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- errors leave the caller's tensor unchanged
