@@ -50,6 +50,17 @@ def main() -> None:
         if rank == 0:
             print(key, json.dumps(value), flush=True)
 
+    def profiled(fn, lines: int) -> None:
+        """Run ``fn`` under cProfile; rank 0 prints the ``lines`` functions of most internal time."""
+        profile = cProfile.Profile()
+        profile.enable()
+        fn()
+        profile.disable()
+        if rank == 0:
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(lines)
+            print(text.getvalue(), flush=True)
+
     def best(fn, calls, rounds=10, clock=time.perf_counter, sync=True):
         low = float("inf")
         for r in range(rounds + 1):
@@ -113,15 +124,7 @@ def main() -> None:
             out[name] = best(fn, 200, 10) * 1e6
         offload_shim.install()
         say("small_us_per_call", out)
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(2000):
-            dist.all_reduce(t)
-        profile.disable()
-        if rank == 0:
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-            print(text.getvalue(), flush=True)
+        profiled(lambda: [dist.all_reduce(t) for _ in range(2000)], 25)
 
     if wanted is None or "small_steps" in wanted:
         from offload_shim import _devices, _staging
@@ -234,14 +237,7 @@ def main() -> None:
         if wanted is None or "pageable" in wanted:
             t = torch.ones(64 * MiB)
             dist.all_reduce(t)
-            profile = cProfile.Profile()
-            profile.enable()
-            dist.all_reduce(t)
-            profile.disable()
-            if rank == 0:
-                text = io.StringIO()
-                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
-                print(text.getvalue(), flush=True)
+            profiled(lambda: dist.all_reduce(t), 15)
 
     if wanted is None or "full_tensor" in wanted:
         from torch.distributed.device_mesh import DeviceMesh
