@@ -221,7 +221,7 @@ def test_all_reduce_zero_dim(gloo_ranks):
     gloo_ranks.run(check_all_reduce, (), "float32", "sum", 2, 1)
 
 
-@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(
     shape=st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple),
     dtype_name=st.sampled_from(["float32", "float16", "bfloat16", "int32", "int8"]),
