@@ -3,11 +3,11 @@
 
     offload-shim info                 versions, accelerator, settings, start-up entry point, what is wrapped
     offload-shim run [--] CMD [ARG...]  run CMD with OFFLOAD_SHIM=1, e.g. offload-shim run torchrun --nproc_per_node 2 train.py
+    offload-shim --version | --help | run --help   (import neither torch nor the package)
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -41,23 +41,22 @@ def _info() -> int:
     return 0
 
 
+def info() -> int:
+    """``offload-shim info``: a malformed setting is reported in one line (exit status 2), as
+    ``offload_shim_boot.main`` reports it when importing the package raises."""
+    from offload_shim import _config
+
+    try:
+        _config.parse_flag(_config.ENV_ENABLE)
+        _config.settings_from_environment()
+    except _config.ConfigError as exc:
+        print(f"offload-shim: {exc}", file=sys.stderr)
+        return 2
+    return _info()
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="offload-shim", description="Stage CPU tensors of collectives through the accelerator.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="show versions, accelerator, settings and the start-up entry point")
-    run = sub.add_parser("run", help="run a command with OFFLOAD_SHIM=1")
-    run.add_argument("argv", nargs=argparse.REMAINDER, help="the command and its arguments")
-    args = parser.parse_args(argv)
-    if args.command == "info":
-        from offload_shim import _config
+    """The ``offload-shim`` command (``offload_shim_boot.main``, where the parser lives)."""
+    from offload_shim_boot import main as command
 
-        try:  # as offload_shim_boot.main reports it when importing the package raises
-            _config.parse_flag(_config.ENV_ENABLE)
-            _config.settings_from_environment()
-        except _config.ConfigError as exc:
-            print(f"offload-shim: {exc}", file=sys.stderr)
-            return 2
-        return _info()
-    from offload_shim_boot import run_command
-
-    return run_command(args.argv)
+    return command(argv)

@@ -70,3 +70,23 @@ def test_run_errors():
     missing = cli("run", "no-such-command-offload-shim")
     assert missing.returncode == 127 and "cannot run 'no-such-command-offload-shim'" in missing.stderr
     assert cli().returncode == 2
+
+
+def test_help_version_and_run_help_import_no_torch(tmp_path):
+    """``--version``, ``--help`` and ``run --help`` print and exit 0 with a ``torch`` that cannot be imported ahead
+    on the path; ``run --help`` is help, not a program named ``--help``; a usage error exits 2."""
+    import importlib.metadata
+
+    (tmp_path / "torch.py").write_text("raise ImportError('the command imported torch')\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+    expected = {
+        ("--version",): f"offload-shim {importlib.metadata.version('offload_shim')}",
+        ("--help",): "usage: offload-shim [-h] [--version] {info,run}",
+        ("run", "--help"): "usage: offload-shim run [--] CMD [ARG...]",
+        ("run", "-h"): "usage: offload-shim run [--] CMD [ARG...]",
+    }
+    for args, text in expected.items():
+        out = cli(*args, env=env)
+        assert out.returncode == 0 and text in out.stdout and "ImportError" not in out.stderr, (args, out)
+    wrong = cli("bogus", env=env)
+    assert wrong.returncode == 2 and "invalid choice: 'bogus'" in wrong.stderr and "ImportError" not in wrong.stderr
