@@ -62,6 +62,7 @@ def install() -> None:
     functional collectives and ``DTensor.full_tensor`` now or when torch first imports their module, the ``CPU``
     kernels of the collective ops compiled code runs, and registered communicators. Installing twice changes
     nothing. Does nothing where ``torch.distributed`` is unavailable."""
+    import torch
     import torch.distributed
 
     if not torch.distributed.is_available():
@@ -70,6 +71,9 @@ def install() -> None:
     _patching.install(_targets())
     _patch_compiled.install()
     _warning_location.install()
+    logging.getLogger("offload_shim").info(
+        "offload_shim %s: installed (torch %s, settings %s)", __version__, torch.__version__, settings()
+    )
 
 
 def uninstall() -> None:

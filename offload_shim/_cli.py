@@ -49,6 +49,7 @@ def info() -> int:
     try:
         _config.parse_flag(_config.ENV_ENABLE)
         _config.settings_from_environment()
+        _config.log_level_from_environment()
     except _config.ConfigError as exc:
         print(f"offload-shim: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,13 @@ Every environment variable offload_shim reads is named here, once.
     ``OFFLOAD_SHIM_STAGING_DEVICE=cpu`` it runs the whole staging path (real copies, the collective on
     the staged tensor, the copy back) on a CPU-only machine over a Gloo group.
 
+``OFFLOAD_SHIM_LOG`` (:data:`ENV_LOG`)
+    ``info`` or ``debug`` (any case): offload_shim's log records (logger ``offload_shim``) go to standard error from
+    that level, each line naming the process's rank (``RANK``, which torchrun sets): at ``info`` one line when the
+    wrappers are installed, at ``debug`` one line for every staging decision. Unset or empty: nothing is printed
+    (the logger has a ``NullHandler`` only, for the application's own logging configuration). Any other value is
+    rejected with :class:`ConfigError`.
+
 Environment variables are read when offload_shim is imported; :func:`configure` changes the settings later.
 """
 
@@ -43,6 +50,8 @@ ENV_STAGING_DEVICE = "OFFLOAD_SHIM_STAGING_DEVICE"
 ENV_ALWAYS_STAGE = "OFFLOAD_SHIM_ALWAYS_STAGE"
 ENV_CHUNK_BYTES = "OFFLOAD_SHIM_CHUNK_BYTES"
 ENV_ROUTE_MIN_BYTES = "OFFLOAD_SHIM_ROUTE_MIN_BYTES"
+ENV_LOG = "OFFLOAD_SHIM_LOG"
+LOG_LEVELS = {"info": 20, "debug": 10}  # logging.INFO, logging.DEBUG
 
 DEFAULT_CHUNK_BYTES = 16 << 20  # measured: results/gpu/bench.log, chunk sweep
 DEFAULT_ROUTE_MIN_BYTES = 1 << 20  # measured: Gloo beats NCCL staging below about 1 MiB
@@ -126,6 +135,21 @@ def _parse_bytes(value, source: str, allow_off: bool = False) -> int | None:
     if number < (0 if allow_off else 1):
         raise ConfigError(f"{source}={value!r} must be {'at least 0' if allow_off else 'positive'}")
     return number
+
+
+def log_level_from_environment(environ=os.environ) -> int | None:
+    """The ``logging`` level :data:`ENV_LOG` asks for; ``None`` when it is unset or empty.
+
+    Raises:
+        ConfigError: the value is not one of :data:`LOG_LEVELS`.
+    """
+    raw = environ.get(ENV_LOG)
+    if raw is None or not raw.strip():
+        return None
+    level = LOG_LEVELS.get(raw.strip().lower())
+    if level is None:
+        raise ConfigError(f"{ENV_LOG}={raw!r} is not a log level: use one of {sorted(LOG_LEVELS)} (case-insensitive)")
+    return level
 
 
 def settings_from_environment(environ=os.environ) -> Settings:

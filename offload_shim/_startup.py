@@ -47,6 +47,7 @@ def activate_on_import() -> bool:
         try:
             _config.parse_flag(_config.ENV_ENABLE)
             _config.settings_from_environment()
+            _config.log_level_from_environment()
         except _config.ConfigError:
             return False
     enabled = _config.parse_flag(_config.ENV_ENABLE)
@@ -58,7 +59,20 @@ def activate_on_import() -> bool:
             warnings.warn(f"offload_shim: {exc}; default settings kept", RuntimeWarning, stacklevel=3)
         return False
     _config.load_environment()
+    _log_to_stderr(_config.log_level_from_environment())
     from offload_shim import install
 
     install()
     return True
+
+
+def _log_to_stderr(level: int | None) -> None:
+    """Send the ``offload_shim`` logger's records from ``level`` on to standard error (``OFFLOAD_SHIM_LOG``)."""
+    if level is None:
+        return
+    import os
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[rank {os.environ.get('RANK', '-')} pid {os.getpid()}] %(message)s"))
+    _log.addHandler(handler)
+    _log.setLevel(level)

@@ -227,3 +227,32 @@ def test_sitecustomize_never_breaks_start_up(site, tmp_path, missing):
     if missing == "offload_shim":  # torch itself still imports; the entry point warns, the hook stays quiet
         out = site_python([site[0], str(stubs), site[1]], "import torch; print('torch imported')")
         assert last_line(out) == "torch imported"
+
+
+def test_log_variable_prints_install_and_staging_decisions():
+    """OFFLOAD_SHIM_LOG=debug: the install line and each staging decision on standard error, with the rank; nothing
+    of the shim's on standard error without it."""
+    code = (
+        "import os, torch, torch.distributed as dist",
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(__import__('socket').create_server(('127.0.0.1', 0)).getsockname()[1]))",
+        "dist.init_process_group('gloo', rank=0, world_size=1)",
+        "import offload_shim",
+        "offload_shim.configure(staging_device='cpu', always_stage=True)",
+        "dist.all_reduce(torch.ones(3))",
+        "dist.destroy_process_group()",
+    )
+    logged = python(*code, env={"OFFLOAD_SHIM": "1", "OFFLOAD_SHIM_LOG": "debug", "RANK": "0"})
+    lines = [line for line in logged.stderr.splitlines() if line.startswith("[rank 0 pid ")]
+    assert any("offload_shim 0.1.0: installed (torch" in line for line in lines), logged.stderr
+    assert any("staging torch.distributed.all_reduce of a cpu tensor (3,) torch.float32 through cpu" in line
+               for line in lines), logged.stderr
+    quiet = python(*code, env={"OFFLOAD_SHIM": "1", "RANK": "0"})
+    assert "[rank" not in quiet.stderr and "offload_shim" not in quiet.stderr, quiet.stderr
+
+
+def test_log_variable_values():
+    from offload_shim import ConfigError, _config
+
+    assert [_config.log_level_from_environment({"OFFLOAD_SHIM_LOG": v}) for v in ("", " INFO ", "debug")] == [None, 20, 10]
+    with pytest.raises(ConfigError, match=r"OFFLOAD_SHIM_LOG='verbose' is not a log level: use one of \['debug', 'info'\]"):
+        _config.log_level_from_environment({"OFFLOAD_SHIM_LOG": "verbose"})
