@@ -200,7 +200,10 @@ def configure(**changes) -> Settings:
     if "route_min_bytes" in changes:
         changes["route_min_bytes"] = _parse_bytes(changes["route_min_bytes"], "route_min_bytes", allow_off=True)
     if "always_stage" in changes and not isinstance(changes["always_stage"], bool):
-        raise ConfigError(f"always_stage={changes['always_stage']!r} is not a bool")
+        raise ConfigError(
+            f"always_stage={changes['always_stage']!r} is not a boolean: use True or False "
+            f"({ENV_ALWAYS_STAGE} in the environment takes {sorted(_TRUE)} or {sorted(_FALSE)})"
+        )
     with _lock:
         previous = _settings
         _settings = dataclasses.replace(previous, **changes)

@@ -91,3 +91,24 @@ def test_public_exceptions_have_public_paths():
         error = pickle.loads(pickle.dumps(error_type("message")))
         assert type(error) is error_type and str(error) == "message"
         assert f"offload_shim.{error_type.__name__}: message" in "".join(traceback.format_exception_only(error))
+
+
+def test_configure_and_the_environment_name_the_setting_and_its_values_alike():
+    """A malformed value names the setting as it was given (the variable, or configure()'s argument) and what it
+    takes, and changes nothing."""
+    import offload_shim
+    from offload_shim import _config
+
+    before = offload_shim.settings()
+    for changes, environ, message in (
+        ({"always_stage": "yes"}, {"OFFLOAD_SHIM_ALWAYS_STAGE": "maybe"}, "is not a boolean: use"),
+        ({"chunk_bytes": "abc"}, {"OFFLOAD_SHIM_CHUNK_BYTES": "abc"}, "is not a size: give bytes"),
+        ({"route_min_bytes": "-1"}, {"OFFLOAD_SHIM_ROUTE_MIN_BYTES": "-1"}, "is not a size: give bytes"),
+        ({"staging_device": "nonsense"}, {"OFFLOAD_SHIM_STAGING_DEVICE": "nonsense"}, "is not a device"),
+    ):
+        (name, value), (variable, raw) = next(iter(changes.items())), next(iter(environ.items()))
+        with pytest.raises(offload_shim.ConfigError, match=f"^{name}={value!r} {message}"):
+            offload_shim.configure(**changes)
+        with pytest.raises(offload_shim.ConfigError, match=f"^{variable}={raw!r} {message}"):
+            _config.settings_from_environment(environ)
+    assert offload_shim.settings() == before
