@@ -1,4 +1,4 @@
-"""Command line: ``offload-shim`` (``offload_shim_boot.main``, which runs ``run`` without importing torch), or
+"""``offload-shim info`` (the command itself, its parser and ``run``, live in ``offload_shim_boot``), also
 ``python -m offload_shim``.
 
     offload-shim info                 versions, accelerator, settings, start-up entry point, what is wrapped
@@ -54,10 +54,3 @@ def info() -> int:
         print(f"offload-shim: {exc}", file=sys.stderr)
         return 2
     return _info()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The ``offload-shim`` command (``offload_shim_boot.main``, where the parser lives)."""
-    from offload_shim_boot import main as command
-
-    return command(argv)

@@ -41,9 +41,10 @@ import torch.distributed as dist
 from offload_shim import _config, _devices, _staging
 from offload_shim._devices import StagingError
 
-# Both chosen by measurement (benchmarks/bench_staging.py, results/gpu/bench.log): with pageable memory the
-# runtime's own staged copy beat a single-threaded copy through pinned bounce buffers (torchrun sets
-# OMP_NUM_THREADS=1); SLOTS is the number of chunks in flight, so the accelerator footprint is SLOTS chunks.
+# Both chosen by measurement (benchmarks/bench_staging.py, results/gpu/bench.log): with pageable memory, bounce
+# buffers with threaded host copies beat the runtime's own staged copy (49.7 against 55.5 ms for 256 MiB; it beat
+# them while the copies ran on one thread, as torchrun's OMP_NUM_THREADS=1 leaves torch's own); SLOTS is the
+# number of chunks in flight, so the accelerator footprint is SLOTS chunks.
 PAGEABLE_PATH = "bounce"  # or "driver"
 SLOTS = 2
 # Tensors of fewer chunks than this are staged whole (_staging): with one chunk there is nothing to overlap.
@@ -236,8 +237,9 @@ def _give_back(pool: _Pool) -> None:
 
 def release_buffers() -> None:
     """Free the staging buffers (accelerator and pinned host memory, the pools' and the small calls' slots) after
-    their last use has finished; buffers that a call in another thread is using are freed when it is done with them. The next staged call makes new
-    ones. ``torch.distributed.destroy_process_group()`` (of every group) calls this while the shim is installed."""
+    their last use has finished; buffers that a call in another thread is using are freed when it is done with
+    them. The next staged call makes new ones. ``torch.distributed.destroy_process_group()`` (of every group) calls
+    this while the shim is installed."""
     global _generation
     _staging.release_small_slots()
     with _pools_lock:
