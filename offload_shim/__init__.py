@@ -14,7 +14,7 @@ for every environment variable). Public API: :func:`install`, :func:`uninstall`,
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import logging
 

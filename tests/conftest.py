@@ -1,7 +1,42 @@
+import pathlib
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from contracts import NOT_IN_CONTRACT
 from ranks import RankPool
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def wheel_site(tmp_path_factory):
+    """offload_shim as users install it: a wheel built from this tree (the files a build reads, copied away so
+    nothing is written here), installed with ``pip install --target`` into a directory that tests put first on
+    PYTHONPATH (``interpreters.environment(site=...)``); its ``torch.backends`` entry point and console script come
+    with it. Returns that directory."""
+    top = tmp_path_factory.mktemp("wheel")
+    source = top / "source"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist")
+    shutil.copytree(ROOT / "offload_shim", source / "offload_shim", ignore=ignore)
+    for name in ("setup.cfg", "pyproject.toml", "README.md", "LICENSE", "offload_shim_boot.py", "sitecustomize_template.py"):
+        shutil.copy(ROOT / name, source / name)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(top), str(source)], check=True, capture_output=True)
+    (wheel,) = top.glob("offload_shim-*.whl")
+    site = top / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True)
+    return str(site)
+
+
+@pytest.fixture(params=["source", "wheel"])
+def install(request):
+    """Which offload_shim the fresh interpreters of a test import: ``None`` for this tree (the editable install the
+    README's set-up makes), or the directory of the built wheel's install (:func:`wheel_site`)."""
+    return request.getfixturevalue("wheel_site") if request.param == "wheel" else None
 
 
 @pytest.fixture(scope="session")
