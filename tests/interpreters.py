@@ -7,16 +7,31 @@ import subprocess
 import sys
 import textwrap
 
-SHIM_VARIABLES = ("OFFLOAD_SHIM", "OFFLOAD_SHIM_STAGING_DEVICE", "OFFLOAD_SHIM_ALWAYS_STAGE", "OFFLOAD_SHIM_LOG")
+SHIM_VARIABLES = ("OFFLOAD_SHIM", "OFFLOAD_SHIM_STAGING_DEVICE", "OFFLOAD_SHIM_ALWAYS_STAGE", "OFFLOAD_SHIM_CHUNK_BYTES",
+                  "OFFLOAD_SHIM_ROUTE_MIN_BYTES", "OFFLOAD_SHIM_LOG", "TORCH_DEVICE_BACKEND_AUTOLOAD")
 
 
-def python(*code: str, env: dict | None = None, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the ``code`` parts (each dedented, then joined) in a new interpreter with offload_shim's variables
-    cleared, then set from ``env``."""
+def environment(env: dict | None = None, site: str | None = None) -> dict:
+    """This process's environment with offload_shim's variables cleared, then set from ``env``; ``site`` (a
+    directory offload_shim's wheel was installed into, see the ``install`` fixture) goes first on PYTHONPATH."""
     environ = {k: v for k, v in os.environ.items() if k not in SHIM_VARIABLES}
     environ.update(env or {})
+    if site:
+        environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, environ.get("PYTHONPATH")) if p)
+    return environ
+
+
+def python(*code: str, env: dict | None = None, check: bool = True, timeout: float = 120, site: str | None = None,
+           script: str | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """Run the ``code`` parts (each dedented, then joined) in a new interpreter (``-c``, or written to the file
+    ``script`` and run as a script) with :func:`environment` ``(env, site)``."""
+    source = "\n".join(textwrap.dedent(part) for part in code)
+    if script:
+        with open(script, "w") as f:
+            f.write(source)
     result = subprocess.run(
-        [sys.executable, "-c", "\n".join(textwrap.dedent(part) for part in code)], env=environ, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *([script] if script else ["-c", source])], env=environment(env, site), cwd=cwd,
+        capture_output=True, text=True, timeout=timeout,
     )
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")

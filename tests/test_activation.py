@@ -12,12 +12,18 @@ import sys
 
 import pytest
 
-from interpreters import REPORT, SHIM_VARIABLES, python
+from interpreters import REPORT, SHIM_VARIABLES, environment, python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALL_WRAPPED = "c10d=True funcol=True dtensor=True"
 NONE_WRAPPED = "c10d=False funcol=False dtensor=False"
 IMPORT_TORCH = "import torch, torch.distributed.tensor"
+
+
+def torch_has_accelerator() -> bool:
+    import torch
+
+    return torch.accelerator.is_available()
 
 
 def last_line(result) -> str:
@@ -184,19 +190,111 @@ def site(tmp_path):
     return [str(ours), str(theirs)]
 
 
-def site_python(site, *code, env=None):
-    return python(*code, env={"PYTHONPATH": os.pathsep.join(site), **(env or {})})
+def site_python(site, *code, env=None, cwd=None):
+    return python(*code, env={"PYTHONPATH": os.pathsep.join(site), **(env or {})}, cwd=cwd)
 
 
-def test_sitecustomize_activates_on_torch_import(site):
-    out = site_python(
-        site,
-        "import sys, builtins",
-        "print(builtins.SHADOWED_SITECUSTOMIZE_RAN, 'torch' in sys.modules, 'offload_shim' in sys.modules)",
-        IMPORT_TORCH,
-        REPORT,
+# A training script that never mentions offload_shim until it reports: what was imported before torch, whether
+# importing torch installed the wrappers, and which offload_shim a script in this folder imports.
+CLONE_SCRIPT = """
+import sys
+before = [m for m in ("wrapt", "offload_shim", "offload_shim_boot", "torch") if m in sys.modules]
+import builtins, torch, wrapt
+installed = isinstance(torch.distributed.all_reduce, wrapt.FunctionWrapper)
+import offload_shim
+print(before, installed, getattr(builtins, "SHADOWED_SITECUSTOMIZE_RAN", False), offload_shim.__file__)
+"""
+
+
+def test_clone_folder_named_offload_shim_does_not_shadow(tmp_path, install):
+    """The layout of issue 9: a clone in a folder named ``offload_shim`` (no ``__init__.py`` there), and a script in
+    the folder that holds it. ``OFFLOAD_SHIM=1``, the drop-in and ``import offload_shim`` all reach the installed
+    package (an editable install puts the clone on sys.path, so the folder is a namespace portion and loses), and
+    ``offload-shim doctor`` run there says so. Both installs: this tree's and the built wheel's."""
+    clone = tmp_path / "offload_shim"
+    (clone / "tests").mkdir(parents=True)
+    (clone / "setup.cfg").write_text("[metadata]\nname = offload_shim\n")
+    package = pathlib.Path(install or ROOT) / "offload_shim" / "__init__.py"
+    script = str(tmp_path / "train.py")
+
+    by_variable = python(CLONE_SCRIPT, env={"OFFLOAD_SHIM": "1"}, site=install, script=script, cwd=tmp_path)
+    assert last_line(by_variable) == f"[] True False {package}", by_variable.stderr
+
+    # The drop-in, written by the install's own command, ahead of another sitecustomize it must still run.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.SHADOWED_SITECUSTOMIZE_RAN = True\n")
+    cli = subprocess.run([sys.executable, "-c", "import sys, offload_shim_boot; sys.exit(offload_shim_boot.main())",
+                          "dropin", str(tmp_path / "site")], env=environment(site=install), capture_output=True, text=True)
+    assert cli.returncode == 0 and (tmp_path / "site" / "__pycache__").is_dir(), cli
+    path = os.pathsep.join((str(tmp_path / "site"), str(theirs)))
+    by_dropin = python(CLONE_SCRIPT, env={"PYTHONPATH": path}, site=install, script=script, cwd=tmp_path)
+    assert last_line(by_dropin) == f"[] True True {package}", by_dropin.stderr
+
+    # offload-shim doctor from there: for this tree under torchrun, each rank staging through host copies (exit
+    # status 0); for the wheel alone, where it finds nothing to stage through here (exit status 1, the reason).
+    if install is None:
+        command = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "offload_shim", "doctor", "--backend", "gloo"]
+        env = {"OFFLOAD_SHIM_STAGING_DEVICE": "cpu", "OFFLOAD_SHIM_ALWAYS_STAGE": "1", "OMP_NUM_THREADS": "1"}
+    else:
+        command, env = ["-m", "offload_shim", "doctor"], {}
+    doctor = subprocess.run([sys.executable, *command], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                            env=environment(env, site=install))
+    assert f"a script here imports            {package}\n" in doctor.stdout, doctor
+    if install is None:
+        assert doctor.returncode == 0 and doctor.stdout.endswith("doctor: ok\n"), doctor
+        for rank in range(2):
+            assert f"rank {rank}: backend 'gloo', serves ['cpu', 'cuda']" in doctor.stdout
+            assert f"rank {rank}: a 1048576-byte CPU all_reduce: staged through cpu\n" in doctor.stdout
+            assert f"rank {rank}: all_reduce of a CPU tensor: [3.0, 3.0, 3.0, 3.0] on cpu (ok)\n" in doctor.stdout
+    elif not torch_has_accelerator():
+        assert doctor.returncode == 1 and doctor.stdout.endswith("doctor: the shim would not work here\n"), doctor
+        assert "PROBLEM: no device to stage through: no accelerator is available" in doctor.stdout
+
+
+def test_asked_for_but_not_installed_warns_once_with_cause_and_fix(tmp_path):
+    """Every path that asks for the shim ends in ``offload_shim_boot.activate``: where the package cannot install,
+    one RuntimeWarning per process names the cause and the fix, whichever paths asked (the entry point and the
+    drop-in both do in one process). Each cause in turn, in one interpreter, the process state reset between."""
+    (tmp_path / "offload_shim").mkdir()  # a clone's folder: a namespace package where nothing else is found
+    (tmp_path / "other" / "offload_shim").mkdir(parents=True)
+    (tmp_path / "other" / "offload_shim" / "__init__.py").write_text("")  # someone else's package of that name
+    out = python(
+        f"""
+        import sys, warnings, torch.distributed, offload_shim_boot
+        path = list(sys.path)
+        def fresh(first=None):
+            for name in [m for m in sys.modules if m == "offload_shim" or m.startswith("offload_shim.")]:
+                del sys.modules[name]
+            offload_shim_boot._warned = False
+            sys.path[:] = [first] if first else path
+            if first:
+                import offload_shim  # resolved with nothing but that folder on the path
+                sys.path[:] = path
+        def ask(*by):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for who in by:
+                    offload_shim_boot.activate(who)
+            print(len(caught), *(str(w.message) for w in caught), sep=" | ")
+        fresh({str(tmp_path)!r}); ask("OFFLOAD_SHIM='1'", "the drop-in")
+        fresh({str(tmp_path / "other")!r}); ask("OFFLOAD_SHIM='1'")
+        fresh(); sys.modules["wrapt"] = None; ask("OFFLOAD_SHIM='1'"); del sys.modules["wrapt"]
+        fresh(); torch.distributed.is_available = lambda: False; ask("OFFLOAD_SHIM='1'")
+        """,
+        env={"OFFLOAD_SHIM": "1"},
     )
-    assert out.stdout.strip().splitlines()[-2:] == ["True False False", ALL_WRAPPED]
+    namespace, other, wrapt, distributed = out.stdout.strip().splitlines()[-4:]
+    assert namespace.startswith(f"1 | offload_shim is not enabled: 'offload_shim' was imported as an empty namespace "
+                                f"package from {tmp_path / 'offload_shim'}: a folder of that name without __init__.py")
+    assert namespace.endswith("reinstall the clone with pip install -e (since offload_shim 0.2.0 that puts it on "
+                              "sys.path) [asked for by OFFLOAD_SHIM='1']"), namespace
+    assert other.startswith(f"1 | offload_shim is not enabled: 'offload_shim' was imported from "
+                            f"{tmp_path / 'other' / 'offload_shim' / '__init__.py'}, which is not the offload_shim package")
+    assert wrapt == f"1 | offload_shim is not enabled: wrapt is not installed in this environment ({sys.executable}): " \
+                    "pip install wrapt [asked for by OFFLOAD_SHIM='1']"
+    assert distributed == "1 | offload_shim is not enabled: this torch has no distributed support " \
+                          "(torch.distributed.is_available() is False): nothing to wrap [asked for by OFFLOAD_SHIM='1']"
 
 
 def test_sitecustomize_with_its_directory_twice_on_the_path(site, tmp_path):
@@ -212,22 +310,28 @@ def test_sitecustomize_respects_false(site):
     assert last_line(out) == NONE_WRAPPED
 
 
-def test_sitecustomize_malformed_value_warns(site):
+def test_sitecustomize_malformed_value_warns_once(site):
+    """The entry point and the drop-in both ask for the shim in this process: one warning."""
     out = site_python(site, IMPORT_TORCH, REPORT, env={"OFFLOAD_SHIM": "sometimes"})
     assert last_line(out) == NONE_WRAPPED
-    assert "offload_shim is not enabled: OFFLOAD_SHIM='sometimes' is not a boolean" in out.stderr
+    assert out.stderr.count("offload_shim is not enabled: OFFLOAD_SHIM='sometimes' is not a boolean") == 1, out.stderr
 
 
 @pytest.mark.parametrize("missing", ["offload_shim", "wrapt"])
 def test_sitecustomize_never_breaks_start_up(site, tmp_path, missing):
+    """Start-up imports neither (so neither can break it); torch still imports, and says once why the shim is off."""
     stubs = tmp_path / "stubs"
     (stubs / missing).mkdir(parents=True)
     (stubs / missing / "__init__.py").write_text(f"raise ImportError('{missing} is not installed (test stub)')\n")
     out = site_python([site[0], str(stubs), site[1]], "print('started')", env={"OFFLOAD_SHIM": "1"})
     assert last_line(out) == "started" and out.stderr == ""
-    if missing == "offload_shim":  # torch itself still imports; the entry point warns, the hook stays quiet
-        out = site_python([site[0], str(stubs), site[1]], "import torch; print('torch imported')")
+    if missing == "offload_shim":
+        # (run outside this tree: a `python -c` here would find the real package in the current directory first)
+        out = site_python([site[0], str(stubs), site[1]], "import torch; print('torch imported')", cwd=tmp_path)
         assert last_line(out) == "torch imported"
+        assert out.stderr.count("offload_shim is not enabled: importing offload_shim failed in this environment "
+                                f"({sys.executable}): ImportError: offload_shim is not installed (test stub) "
+                                f"[asked for by the drop-in {os.path.realpath(site[0])}") == 1, out.stderr
 
 
 def test_log_variable_prints_install_and_staging_decisions():
@@ -244,7 +348,7 @@ def test_log_variable_prints_install_and_staging_decisions():
     )
     logged = python(*code, env={"OFFLOAD_SHIM": "1", "OFFLOAD_SHIM_LOG": "debug", "RANK": "0"})
     lines = [line for line in logged.stderr.splitlines() if line.startswith("[rank 0 pid ")]
-    assert any("offload_shim 0.1.0: installed (torch" in line for line in lines), logged.stderr
+    assert any(f"offload_shim {importlib.metadata.version('offload_shim')}: installed (torch" in line for line in lines), logged.stderr
     assert any("staging torch.distributed.all_reduce of a cpu tensor (3,) torch.float32 through cpu" in line
                for line in lines), logged.stderr
 

@@ -1,6 +1,7 @@
 """The command line: ``offload-shim`` (``offload_shim_boot.main``) and ``python -m offload_shim``."""
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -81,7 +82,7 @@ def test_help_version_and_run_help_import_no_torch(tmp_path):
     env = {"PYTHONPATH": str(tmp_path)}
     expected = {
         ("--version",): f"offload-shim {importlib.metadata.version('offload_shim')}",
-        ("--help",): "usage: offload-shim [-h] [--version] {info,run}",
+        ("--help",): "usage: offload-shim [-h] [--version] {info,doctor,dropin,run}",
         ("run", "--help"): "usage: offload-shim run [--] CMD [ARG...]",
         ("run", "-h"): "usage: offload-shim run [--] CMD [ARG...]",
     }
@@ -90,3 +91,28 @@ def test_help_version_and_run_help_import_no_torch(tmp_path):
         assert out.returncode == 0 and text in out.stdout and "ImportError" not in out.stderr, (args, out)
     wrong = cli("bogus", env=env)
     assert wrong.returncode == 2 and "invalid choice: 'bogus'" in wrong.stderr and "ImportError" not in wrong.stderr
+
+
+def test_dropin_writes_the_template_and_its_bytecode_without_importing_torch(tmp_path):
+    """``dropin DIR`` writes the installed template as DIR/sitecustomize.py, compiled (no compile at each start-up
+    where DIR is read-only); it leaves a different sitecustomize.py alone unless --force. No torch import."""
+    (tmp_path / "torch.py").write_text("raise ImportError('the command imported torch')\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+    target = tmp_path / "site" / "sitecustomize.py"
+    template = (pathlib.Path(__file__).parents[1] / "sitecustomize_template.py").read_text()
+    out = cli("dropin", str(target.parent), env=env)
+    assert out.returncode == 0 and target.read_text() == template, out
+    assert f"export PYTHONPATH={target.parent}" in out.stdout
+    assert [p.name for p in (target.parent / "__pycache__").iterdir()] == [f"sitecustomize.{sys.implementation.cache_tag}.pyc"]
+    assert cli("dropin", str(target.parent), env=env).returncode == 0  # the same file again: fine
+    target.write_text("# the cluster's own\n")
+    refused = cli("dropin", str(target.parent), env=env)
+    assert refused.returncode == 1 and "exists and differs" in refused.stderr and target.read_text() == "# the cluster's own\n"
+    assert cli("dropin", "--force", str(target.parent), env=env).returncode == 0 and target.read_text() == template
+
+
+def test_run_warns_when_torch_runs_no_entry_points():
+    out = cli("run", sys.executable, "-c", "print('ran')", env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert out.returncode == 0 and out.stdout.strip() == "ran"
+    assert out.stderr.startswith("offload-shim run: warning: TORCH_DEVICE_BACKEND_AUTOLOAD is not 1, so torch runs no "
+                                 "torch.backends entry point"), out.stderr
