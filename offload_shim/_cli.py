@@ -1,15 +1,21 @@
-"""``offload-shim info`` (the command itself, its parser and ``run``, live in ``offload_shim_boot``), also
-``python -m offload_shim``.
+"""``offload-shim info`` and ``offload-shim doctor`` (the command itself, its parser, ``run`` and ``dropin`` live
+in ``offload_shim_boot``), also ``python -m offload_shim``.
 
     offload-shim info                 versions, accelerator, settings, start-up entry point, what is wrapped
+    offload-shim doctor [--backend B] whether the shim would work here, and why not (exit status 1); under
+                                      torchrun, each rank's group, backends, staging device and a staged all_reduce
+    offload-shim dropin DIR           write the sitecustomize drop-in as DIR/sitecustomize.py
     offload-shim run [--] CMD [ARG...]  run CMD with OFFLOAD_SHIM=1, e.g. offload-shim run torchrun --nproc_per_node 2 train.py
     offload-shim --version | --help | run --help   (import neither torch nor the package)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
+import time
 
 
 def _info() -> int:
@@ -54,3 +60,195 @@ def info() -> int:
         print(f"offload-shim: {exc}", file=sys.stderr)
         return 2
     return _info()
+
+
+def doctor(backend: str | None = None) -> int:
+    """``offload-shim doctor``: print what decides whether the shim works in this environment, then, under
+    torchrun (``RANK`` and ``WORLD_SIZE`` set), make the default process group (``backend``, default the
+    accelerator's own) and check each rank. Returns 1 with the problems listed where the shim would not work,
+    2 for a malformed setting, 0 otherwise."""
+    from offload_shim import _config
+
+    try:
+        _config.parse_flag(_config.ENV_ENABLE)
+        _config.settings_from_environment()
+        _config.log_level_from_environment()
+    except _config.ConfigError as exc:
+        print(f"offload-shim: {exc}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    problems, notes = [], []
+    rank = os.environ.get("RANK")
+    if rank is None or int(rank) == 0:
+        _print_rows(_environment_rows(problems, notes))
+    else:
+        _environment_rows(problems, notes)  # the same checks, printed once, by rank 0
+    if rank is not None and "WORLD_SIZE" in os.environ and dist.is_available():
+        problems += _check_ranks(backend)
+    elif rank is not None:
+        problems.append("torch.distributed is unavailable: no process group to check")
+    if rank is None or int(rank) == 0:
+        for note in notes:
+            print(f"note: {note}")
+        for problem in problems:
+            print(f"PROBLEM: {problem}")
+        print("doctor: " + ("the shim would not work here" if problems else "ok"))
+    return 1 if problems else 0
+
+
+def _print_rows(rows) -> None:
+    for key, value in rows:
+        print(f"{key:32s} {value}")
+
+
+def _environment_rows(problems: list, notes: list) -> list:
+    """What the environment decides: versions, the package a script here imports, activation, settings."""
+    import importlib.metadata
+
+    import torch
+    import wrapt
+
+    import offload_shim
+    import offload_shim_boot
+    from offload_shim import _config
+
+    accelerator = torch.accelerator.current_accelerator()
+    available = torch.accelerator.is_available()
+    rows = [
+        ("python", f"{sys.version.split()[0]} ({sys.executable})"),
+        ("offload_shim", f"{offload_shim.__version__} ({os.path.dirname(offload_shim.__file__)})"),
+        ("torch", torch.__version__),
+        ("wrapt", getattr(wrapt, "__version__", "?")),
+        ("accelerator", f"{accelerator} (available: {available}, devices: {torch.accelerator.device_count()})"),
+        ("torch.distributed available", torch.distributed.is_available()),
+    ]
+    if not torch.distributed.is_available():
+        problems.append("this torch has no distributed support (torch.distributed.is_available() is False)")
+
+    here = _script_view(os.getcwd())
+    rows.append(("a script here imports", here))
+    ours = os.path.realpath(offload_shim.__file__)
+    if here != ours:
+        problems.append(
+            f"a script or python -m run in {os.getcwd()} imports offload_shim from {here}, not the installed "
+            f"package ({ours}): run from another folder or rename the one that shadows it"
+        )
+
+    entry = [e.value for e in importlib.metadata.entry_points(group="torch.backends") if e.name == "offload_shim"]
+    rows.append(("torch.backends entry point", entry[0] if entry else "not registered"))
+    autoload = offload_shim_boot.autoload_enabled()
+    rows.append(("TORCH_DEVICE_BACKEND_AUTOLOAD", os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "<unset>: entry points run")))
+    dropin = getattr(sys.modules.get("sitecustomize"), "__file__", None)
+    has_dropin = hasattr(sys.modules.get("sitecustomize"), "_offload_shim_activate")
+    rows.append(("sitecustomize drop-in", dropin if has_dropin else "none"))
+    enabled = _config.parse_flag(_config.ENV_ENABLE)
+    if enabled and not has_dropin and not entry:
+        problems.append("OFFLOAD_SHIM is set but the torch.backends entry point is not registered: install the package (pip install)")
+    elif enabled and not has_dropin and not autoload:
+        problems.append(offload_shim_boot.AUTOLOAD_OFF)
+    if enabled is None and not has_dropin:
+        notes.append("OFFLOAD_SHIM is unset: import torch alone does not switch the shim on here (set OFFLOAD_SHIM=1, "
+                     "use offload-shim run, import offload_shim, or the drop-in)")
+    rows.append(("installed in this process", offload_shim.is_installed()))
+
+    defaults = _config.Settings()
+    for name in _config.ENVIRONMENT:
+        raw = os.environ.get(name)
+        rows.append((name, f"{raw!r} (environment)" if raw is not None and raw.strip() else "<unset>"))
+    settings = offload_shim.settings()
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        source = "default" if value == getattr(defaults, field.name) else "set"
+        rows.append((f"  {field.name}", f"{value} ({source})"))
+    notes += _config.inert_settings(settings, available)
+    if settings.staging_device is None and not available:
+        problems.append(
+            "no device to stage through: no accelerator is available and OFFLOAD_SHIM_STAGING_DEVICE is unset "
+            "(to run the staging path through host copies on a CPU-only machine: OFFLOAD_SHIM_STAGING_DEVICE=cpu "
+            "with OFFLOAD_SHIM_ALWAYS_STAGE=1 on a Gloo group)"
+        )
+    return rows
+
+
+def _script_view(directory: str) -> str:
+    """Where ``import offload_shim`` leads in a script or ``python -m`` run in ``directory`` (``sys.path[0]`` is
+    that directory there), as the import system would find it, without importing: the file of a regular
+    package or module, or ``namespace package at [...]``."""
+    import importlib.machinery
+
+    path = [directory, *sys.path[1:]]
+    for finder in sys.meta_path:
+        try:
+            if isinstance(finder, type) and issubclass(finder, importlib.machinery.PathFinder):
+                spec = finder.find_spec("offload_shim", path)
+            else:
+                spec = finder.find_spec("offload_shim", None)
+        except Exception:
+            continue
+        if spec is not None:
+            if spec.origin is None or spec.origin == "namespace":
+                return f"namespace package at {list(spec.submodule_search_locations or [])}"
+            return os.path.realpath(spec.origin)
+    return "nothing (not found)"
+
+
+def _check_ranks(backend: str | None) -> list:
+    """Make the default group and check this rank; rank 0 prints every rank's lines. Returns this rank's problems,
+    and on rank 0 every rank's."""
+    import torch
+    import torch.distributed as dist
+
+    import offload_shim
+    from offload_shim import _devices
+
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = None
+    if accelerator is not None:
+        device = torch.device(accelerator.type, local % torch.accelerator.device_count())
+        torch.accelerator.set_device_index(device.index)
+    if backend is None:
+        backend = dist.Backend.default_device_backend_map.get(accelerator.type, "gloo") if accelerator else "gloo"
+    problems = []
+    dist.init_process_group(backend, device_id=device if device is not None and backend != "gloo" else None)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        group = dist.group.WORLD
+        served = sorted(_devices.served_device_types(group))
+        lines = [f"backend {_devices.backend_description(group)!r}, serves {served}, bound device "
+                 f"{getattr(group, 'bound_device_id', None)}, accelerator device {device}"]
+        for nbytes in sorted({4, offload_shim.settings().route_min_bytes or 4}):
+            probe = torch.zeros(nbytes // 4)
+            try:
+                through = _devices.staging_device_for(probe, group, "all_reduce", route_bytes=nbytes)
+                lines.append(f"a {nbytes}-byte CPU all_reduce: " + (f"staged through {through}" if through else "left to torch (the group serves cpu)"))
+            except offload_shim.StagingError:
+                lines.append(f"a {nbytes}-byte CPU all_reduce: refused (StagingError)")
+        tensor = torch.full((4,), float(rank + 1))
+        try:
+            dist.all_reduce(tensor)
+            expected = world * (world + 1) / 2
+            ok = tensor.device.type == "cpu" and tensor.tolist() == [expected] * 4
+            lines.append(f"all_reduce of a CPU tensor: {tensor.tolist()} on {tensor.device} ({'ok' if ok else f'expected {expected}'})")
+            if not ok:
+                problems.append(f"rank {rank}: all_reduce of a CPU tensor gave {tensor.tolist()}, expected {expected}")
+        except Exception as exc:  # the failure the shim exists to prevent, or the shim's own refusal
+            why = f"{type(exc).__name__}: {str(exc).split('. Ways out')[0]}"
+            lines.append(f"all_reduce of a CPU tensor: failed")
+            problems.append(f"rank {rank}: all_reduce of a CPU tensor failed: {why}")
+        # Every rank's report, printed by rank 0 in rank order (the ranks share one terminal).
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"offload_shim_doctor/{rank}", json.dumps({"lines": lines, "problems": problems}))
+        if rank == 0:
+            problems = []
+            for other in range(world):
+                report = json.loads(store.get(f"offload_shim_doctor/{other}"))
+                print("\n".join(f"rank {other}: {line}" for line in report["lines"]))
+                problems += report["problems"]
+        store.add("offload_shim_doctor/done", 1)
+        while store.add("offload_shim_doctor/done", 0) < world:  # no rank leaves while another may read
+            time.sleep(0.01)
+    finally:
+        dist.destroy_process_group()
+    return problems

@@ -52,6 +52,7 @@ ENV_CHUNK_BYTES = "OFFLOAD_SHIM_CHUNK_BYTES"
 ENV_ROUTE_MIN_BYTES = "OFFLOAD_SHIM_ROUTE_MIN_BYTES"
 ENV_LOG = "OFFLOAD_SHIM_LOG"
 LOG_LEVELS = {"info": 20, "debug": 10}  # logging.INFO, logging.DEBUG
+ENVIRONMENT = (ENV_ENABLE, ENV_STAGING_DEVICE, ENV_ALWAYS_STAGE, ENV_CHUNK_BYTES, ENV_ROUTE_MIN_BYTES, ENV_LOG)
 
 DEFAULT_CHUNK_BYTES = 16 << 20  # measured: results/gpu/bench.log, chunk sweep
 DEFAULT_ROUTE_MIN_BYTES = 1 << 20  # measured: Gloo beats NCCL staging below about 1 MiB
@@ -208,6 +209,19 @@ def configure(**changes) -> Settings:
         previous = _settings
         _settings = dataclasses.replace(previous, **changes)
     return previous
+
+
+def inert_settings(current: Settings, accelerator_available: bool) -> list[str]:
+    """Settings in ``current`` that cannot act on collectives in a process whose accelerator is (not) available,
+    each as a sentence naming the setting as the environment and :func:`configure` spell it, and the fix."""
+    if current.always_stage and current.staging_device is None and not accelerator_available:
+        return [
+            f"{ENV_ALWAYS_STAGE} (always_stage) has no effect on collectives here: there is no device to stage "
+            f"through (no accelerator is available and {ENV_STAGING_DEVICE}, staging_device, is unset); set "
+            f"{ENV_STAGING_DEVICE}=cpu to run the staging path through host copies (registered communicators "
+            f"stage through their own device either way)"
+        ]
+    return []
 
 
 def load_environment() -> None:

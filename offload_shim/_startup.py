@@ -60,6 +60,10 @@ def activate_on_import() -> bool:
         return False
     _config.load_environment()
     _log_to_stderr(_config.log_level_from_environment())
+    import torch
+
+    for message in _config.inert_settings(_config.settings(), torch.accelerator.is_available()):
+        warnings.warn(f"offload_shim: {message}", RuntimeWarning, stacklevel=3)
     from offload_shim import install
 
     install()
