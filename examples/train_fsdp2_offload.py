@@ -11,7 +11,10 @@ CPU tensors over Gloo) and ``--no-offload`` (parameters stay on the GPU). ``--ou
 ``DIR/<run>.json`` (losses, gradient norms, with their exact bits) and ``DIR/<run>.pt`` (the final parameters,
 gathered by ``full_tensor()``). Model: random init, synthetic tokens from a fixed seed; nothing is downloaded.
 
-On a machine without an accelerator there is nothing to offload from: the script says so and exits 0.
+On a machine without an accelerator there is nothing to offload from and nothing to stage through. With the shim
+switched on, the script then trains on Gloo ranks twice, once with every collective forced through the shim's
+staging path with host copies and once without the shim, and reports whether the two agree to the bit (exit
+status 1 if not); without the shim it says how to switch it on and exits 0.
 """
 
 from __future__ import annotations
@@ -90,9 +93,82 @@ def float_bits(value: float) -> str:
     return struct.pack(">f", value).hex()
 
 
+VOCAB = 1024
+
+
+def train(args, device: torch.device, rank: int, offload: bool):
+    """``args.steps`` steps of AdamW with ``clip_grad_norm_`` on a TinyLlama sharded by FSDP2 (with
+    ``CPUOffloadPolicy`` when ``offload``); returns the global losses, the gradient norms and the model."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    torch.manual_seed(args.seed)
+    model = TinyLlama(VOCAB, args.dim, args.layers, heads=8, hidden=4 * args.dim)
+    policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    if not offload:
+        model.to(device)
+    for block in model.blocks:
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    data = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    losses, norms = [], []
+    for step in range(args.steps):
+        tokens = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=data).to(device)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)  # on an accelerator, untouched by the shim
+        losses.append(global_loss.item() / dist.get_world_size())
+        norms.append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
+        if rank == 0:
+            print(f"step {step:3d}  loss {losses[-1]:.6f}  grad_norm {norms[-1]:.6f}", flush=True)
+        assert math.isfinite(losses[-1])
+    return losses, norms, model
+
+
+def main_on_cpu(args) -> int:
+    """Without an accelerator there is nothing to offload from, and nothing to stage through: train on Gloo ranks
+    twice instead, once with every collective forced through the shim's staging path with host copies
+    (``configure(staging_device="cpu", always_stage=True)``: real copies, the collective on the staged tensors,
+    results copied back) and once without the shim, and report whether losses, gradient norms and parameters
+    agree to the bit."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    shim = sys.modules.get("offload_shim")
+    if shim is None or not shim.is_installed():
+        if rank == 0:
+            print("No accelerator here, and offload_shim is not switched on: run with OFFLOAD_SHIM=1 to see it stage "
+                  "this training's collectives through host copies on Gloo ranks.", flush=True)
+        dist.destroy_process_group()
+        return 0
+    cpu = torch.device("cpu")
+    runs = {}
+    for name, staged in (("staged through host copies", True), ("without the shim", False)):
+        if rank == 0:
+            print(f"run {name}: torch {torch.__version__}, world {dist.get_world_size()}, backend gloo, no accelerator", flush=True)
+        if staged:
+            shim.configure(staging_device="cpu", always_stage=True)
+        else:
+            shim.uninstall()
+        losses, norms, model = train(args, cpu, rank, offload=False)
+        runs[name] = (losses, norms, {n: p.full_tensor() for n, p in model.named_parameters()})
+    (losses, norms, full), (ref_losses, ref_norms, ref_full) = runs.values()
+    same = losses == ref_losses and norms == ref_norms and all(torch.equal(full[n], ref_full[n]) for n in full)
+    if rank == 0:
+        print(f"{len(full)} parameters gathered with full_tensor() in each run; losses, gradient norms and "
+              f"parameters {'bitwise equal' if same else 'DIFFER'} with and without the shim", flush=True)
+    dist.destroy_process_group()
+    return 0 if same else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, help="default 20; 3 on a machine without an accelerator")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="nccl", help="process group backend, e.g. nccl or cpu:gloo,cuda:nccl")
     parser.add_argument("--no-offload", action="store_true", help="keep parameters on the accelerator")
@@ -103,19 +179,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="directory for rank 0's results")
     parser.add_argument("--name", help="run name for the result files (default: from the options)")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 20 if torch.accelerator.is_available() else 3
 
     if not torch.accelerator.is_available():
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(
-                "This example trains with FSDP2 CPU offload on accelerators, and this machine has none "
-                "(torch.accelerator.is_available() is False): offload_shim stages CPU tensors through an "
-                "accelerator, so there is nothing to run here. The CPU test suite exercises the staging path "
-                "over Gloo instead: python -m pytest",
-                flush=True,
-            )
-        return 0
-
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        return main_on_cpu(args)
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = torch.device(torch.accelerator.current_accelerator().type, local_rank)
@@ -131,35 +199,7 @@ def main(argv=None) -> int:
             flush=True,
         )
 
-    torch.manual_seed(args.seed)
-    vocab = 1024
-    model = TinyLlama(vocab, args.dim, args.layers, heads=8, hidden=4 * args.dim)
-    policy = {} if args.no_offload else {"offload_policy": CPUOffloadPolicy()}
-    if args.no_offload:
-        model.to(device)
-    for block in model.blocks:
-        fully_shard(block, **policy)
-    fully_shard(model, **policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-
-    data = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    losses, norms = [], []
-    for step in range(args.steps):
-        tokens = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=data).to(device)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)  # an accelerator tensor: untouched by the shim
-        losses.append(global_loss.item() / dist.get_world_size())
-        norms.append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
-        if rank == 0:
-            print(f"step {step:3d}  loss {losses[-1]:.6f}  grad_norm {norms[-1]:.6f}", flush=True)
-        assert math.isfinite(losses[-1])
-
+    losses, norms, model = train(args, device, rank, offload=not args.no_offload)
     full = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
     if rank == 0:
         devices = sorted({str(p.to_local().device.type) for p in model.parameters()})

@@ -62,9 +62,12 @@ def test_true_value_activates_at_import_torch():
             assert offload_shim.is_installed(), value
             offload_shim.uninstall()
         """,
-        env={"OFFLOAD_SHIM": "1"},
+        env={"OFFLOAD_SHIM": "1", "OFFLOAD_SHIM_ALWAYS_STAGE": "1"},
     )
     assert last_line(out) == ALL_WRAPPED
+    # A setting that cannot act says so: with no accelerator, always-stage has nothing to stage through.
+    inert = "offload_shim: OFFLOAD_SHIM_ALWAYS_STAGE (always_stage) has no effect on collectives here: there is no device"
+    assert (inert in out.stderr) != torch_has_accelerator(), out.stderr
 
 
 def test_unset_does_nothing_at_all():
