@@ -76,3 +76,21 @@ def test_what_the_table_calls_staged_is_wrapped():
     for name in staged_functional + autograd_forms:
         if hasattr(funcol, name):
             assert f"{funcol.__name__}.{name}" in wrapped, name
+
+
+def test_readme_tables_name_every_variable():
+    """Every variable offload_shim reads (``_config.ENVIRONMENT``) and every one its tests, benchmarks, examples
+    and CI read has a row (or a line) in README.md's tables of variables."""
+    from offload_shim import _config
+
+    root = pathlib.Path(__file__).parent.parent
+    sources = [*root.glob("tests/*.py"), *root.glob("benchmarks/*.py"), *root.glob("examples/*"), root / ".ci" / "run"]
+    read = set(_config.ENVIRONMENT)
+    for source in sources:
+        text = source.read_text()
+        read |= set(re.findall(r"\b(OFFLOAD_SHIM\w*)", text))  # every variable of ours, wherever it is read
+        read |= set(re.findall(r"environ(?:\.get)?\(?\[?\"([A-Z_]+)\"", text))  # os.environ reads in Python
+        read |= set(re.findall(r"\$\{([A-Z_]+)", text))  # parameter expansions in shell scripts
+    rows = set(re.findall(r"`([A-Z_]+)`", README))
+    commonplace = {"PYTHONPATH", "OUT", "MASTER_ADDR", "MASTER_PORT"}  # Python's, the device tool's, torchrun's
+    assert sorted(read - rows - commonplace) == []
