@@ -234,25 +234,33 @@ def test_clone_folder_named_offload_shim_does_not_shadow(tmp_path, install):
     by_dropin = python(CLONE_SCRIPT, env={"PYTHONPATH": path}, site=install, script=script, cwd=tmp_path)
     assert last_line(by_dropin) == f"[] True True {package}", by_dropin.stderr
 
-    # offload-shim doctor from there: for this tree under torchrun, each rank staging through host copies (exit
-    # status 0); for the wheel alone, where it finds nothing to stage through here (exit status 1, the reason).
+    # offload-shim doctor: for this tree, from there under torchrun, each rank staging through host copies (exit
+    # status 0); for the wheel, its console script from a folder where a module named offload_shim.py shadows the
+    # package for scripts run there (exit status 1, with that and, where there is no accelerator, nothing to stage
+    # through as reasons).
     if install is None:
-        command = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "offload_shim", "doctor", "--backend", "gloo"]
-        env = {"OFFLOAD_SHIM_STAGING_DEVICE": "cpu", "OFFLOAD_SHIM_ALWAYS_STAGE": "1", "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                   "offload_shim", "doctor", "--backend", "gloo"]
+        env, cwd = {"OFFLOAD_SHIM_STAGING_DEVICE": "cpu", "OFFLOAD_SHIM_ALWAYS_STAGE": "1", "OMP_NUM_THREADS": "1"}, tmp_path
     else:
-        command, env = ["-m", "offload_shim", "doctor"], {}
-    doctor = subprocess.run([sys.executable, *command], cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                            env=environment(env, site=install))
-    assert f"a script here imports            {package}\n" in doctor.stdout, doctor
+        command, env, cwd = [os.path.join(install, "bin", "offload-shim"), "doctor"], {}, tmp_path / "shadow"
+        cwd.mkdir()
+        (cwd / "offload_shim.py").write_text("")
+    doctor = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=240, env=environment(env, site=install))
     if install is None:
+        assert f"a script here imports            {package}\n" in doctor.stdout, doctor
         assert doctor.returncode == 0 and doctor.stdout.endswith("doctor: ok\n"), doctor
         for rank in range(2):
             assert f"rank {rank}: backend 'gloo', serves ['cpu', 'cuda']" in doctor.stdout
             assert f"rank {rank}: a 1048576-byte CPU all_reduce: staged through cpu\n" in doctor.stdout
             assert f"rank {rank}: all_reduce of a CPU tensor: [3.0, 3.0, 3.0, 3.0] on cpu (ok)\n" in doctor.stdout
-    elif not torch_has_accelerator():
+    else:
         assert doctor.returncode == 1 and doctor.stdout.endswith("doctor: the shim would not work here\n"), doctor
-        assert "PROBLEM: no device to stage through: no accelerator is available" in doctor.stdout
+        assert f"a script here imports            {cwd / 'offload_shim.py'}\n" in doctor.stdout, doctor
+        assert f"PROBLEM: a script or python -m run in {cwd} imports offload_shim from {cwd / 'offload_shim.py'}, " \
+               f"not the installed package ({package})" in doctor.stdout, doctor
+        no_device = "PROBLEM: no device to stage through: no accelerator is available" in doctor.stdout
+        assert no_device != torch_has_accelerator(), doctor
 
 
 def test_asked_for_but_not_installed_warns_once_with_cause_and_fix(tmp_path):
