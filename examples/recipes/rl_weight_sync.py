@@ -33,7 +33,8 @@ VOCAB, BATCH, SEQ = 32000, 2, 64
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    bits = [t.reshape(-1).view(torch.uint8) for t in (a, b)]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*bits)
 
 
 def main() -> int:
@@ -52,7 +53,8 @@ def main() -> int:
     shim = sys.modules.get("offload_shim")
     shim_state = "on" if shim is not None and shim.is_installed() else "off"
     if rank == 0:
-        print(f"torch {torch.__version__}, world {world}, backend {dist.get_backend()}, offload_shim {shim_state}", flush=True)
+        print(f"torch {torch.__version__}, world {world}, backend {dist.get_backend()}, offload_shim {shim_state}",
+              flush=True)
 
     torch.manual_seed(0)  # the same initial weights on every rank
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
