@@ -10,7 +10,7 @@ environment are kept) and builds ``Accelerator()`` from them. With ``FSDP_OFFLOA
 initialises the process group as ``cuda:nccl,cpu:gloo`` (``PartialState.__init__`` in accelerate/state.py), so CPU
 tensors go over Gloo and nothing fails; the script prints the backend and stops if the group has no CPU backend.
 
-The model is a tiny LLaMA (``LlamaForCausalLM`` built from a config, random init, 116M parameters, 443 MiB in fp32;
+The model is a tiny LLaMA (``LlamaForCausalLM`` built from a config, random init, 117M parameters, 446 MiB in fp32;
 nothing is downloaded); most of its weights are 1 MiB or more, so the shim routes them off Gloo. Timed, slowest rank:
 a training step (``accelerator.clip_grad_norm_`` reduces only a norm scalar over Gloo, left there by the shim); a
 ``full_tensor()`` of every parameter (what an RL trainer does to send weights to its inference engine: a gather of

@@ -5,7 +5,7 @@
 An RL trainer that shards its policy with FSDP2 sends the full weights to its inference engine after each optimizer
 step: ``full_tensor()`` of every parameter, then a broadcast from the trainer's rank 0. Here the broadcast goes over
 the training group itself, standing in for the engine's communicator. The policy is a tiny LLaMA
-(``LlamaForCausalLM`` built from a config, random init, 45.7M parameters, 174 MiB in fp32; nothing is downloaded),
+(``LlamaForCausalLM`` built from a config, random init, 45.6M parameters, 174 MiB in fp32; nothing is downloaded),
 offloaded with ``fully_shard(..., offload_policy=CPUOffloadPolicy())``. Each iteration takes one AdamW step on random
 tokens, then syncs, timed on every rank (the slowest rank's time is printed). Every rank checks that its
 ``full_tensor()`` holds its own shard and that the broadcast delivered bitwise what its ``full_tensor()`` returned.
