@@ -4,10 +4,11 @@
 
 The plugin is given in code, ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
 cpu_offload=True, ...))``. accelerate (1.15) then initialises the process group with NCCL alone: it adds Gloo for
-the CPU (``cuda:nccl,cpu:gloo``) only when ``FSDP_OFFLOAD_PARAMS=true`` is in the environment, as ``accelerate
-launch`` sets it (``PartialState.__init__`` in accelerate/state.py; ``accelerate_launch_env.py`` is that case). The
-model is a tiny LLaMA (``LlamaForCausalLM`` built from a config, random init; nothing is downloaded), trained for 4
-steps on random tokens with ``accelerator.clip_grad_norm_``, then gathered with ``accelerator.get_state_dict``.
+the CPU (``cuda:nccl,cpu:gloo``) only when the environment has ``FSDP_OFFLOAD_PARAMS=true`` (or
+``FSDP_STATE_DICT_TYPE=FULL_STATE_DICT``), as ``accelerate launch`` sets it (``PartialState.__init__`` in
+accelerate/state.py; ``accelerate_launch_env.py`` is that case). The model is a tiny LLaMA (``LlamaForCausalLM``
+built from a config, random init; nothing is downloaded), trained for 4 steps on random tokens with
+``accelerator.clip_grad_norm_``, then gathered with ``accelerator.get_state_dict``.
 
 Without the shim it fails on 2 ranks or more with ``RuntimeError: No backend type associated with device type
 cpu`` in ``accelerator.clip_grad_norm_``: the offloaded gradients are DTensors on the CPU, and their norm is summed
