@@ -45,6 +45,8 @@ def main() -> int:
     world, backend = accelerator.num_processes, dist.get_backend()
     accelerator.print(f"torch {torch.__version__}, accelerate {accelerate.__version__}, world {world}, "
                       f"backend {backend}, offload_shim {shim_state}", flush=True)
+    if any(d.type == "cpu" for d in dist.group.WORLD._device_types):
+        raise RuntimeError(f"expected accelerate to keep NCCL alone, got backend {backend!r} (FSDP_* variables set?)")
 
     torch.manual_seed(0)  # the same initial weights on every rank
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
