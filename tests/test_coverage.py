@@ -84,7 +84,8 @@ def test_readme_tables_name_every_variable():
     from offload_shim import _config
 
     root = pathlib.Path(__file__).parent.parent
-    sources = [*root.glob("tests/*.py"), *root.glob("benchmarks/*.py"), *root.glob("examples/*"), root / ".ci" / "run"]
+    sources = [*root.glob("tests/*.py"), *root.glob("benchmarks/*.py"), *root.glob("examples/**/*.py"),
+               *root.glob("examples/*.sh"), root / ".ci" / "run"]
     read = set(_config.ENVIRONMENT)
     for source in sources:
         text = source.read_text()
@@ -92,5 +93,5 @@ def test_readme_tables_name_every_variable():
         read |= set(re.findall(r"environ(?:\.get)?\(?\[?\"([A-Z_]+)\"", text))  # os.environ reads in Python
         read |= set(re.findall(r"\$\{([A-Z_]+)", text))  # parameter expansions in shell scripts
     rows = set(re.findall(r"`([A-Z_]+)`", README))
-    commonplace = {"PYTHONPATH", "OUT", "MASTER_ADDR", "MASTER_PORT"}  # Python's, the device tool's, torchrun's
+    commonplace = {"PYTHONPATH", "PIPESTATUS", "OUT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"}  # Python, bash, the device tool, torchrun
     assert sorted(read - rows - commonplace) == []
