@@ -7,7 +7,9 @@ import subprocess
 import sys
 import textwrap
 
-SHIM_VARIABLES = ("OFFLOAD_SHIM", "OFFLOAD_SHIM_STAGING_DEVICE", "OFFLOAD_SHIM_ALWAYS_STAGE", "OFFLOAD_SHIM_LOG")
+SHIM_VARIABLES = (
+    "OFFLOAD_SHIM", "OFFLOAD_SHIM_STAGING_DEVICE", "OFFLOAD_SHIM_ALWAYS_STAGE", "OFFLOAD_SHIM_LOG", "OFFLOAD_SHIM_SUMMARY"
+)
 
 
 def python(*code: str, env: dict | None = None, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
