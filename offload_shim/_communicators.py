@@ -224,7 +224,7 @@ def _call(spec: _Spec, parameters, wrapped, instance, args, kwargs):
         _counters.decided(route, device)
     else:
         forced = "always_stage; " if route == _counters.FORCED else ""
-        _counters.decided(route, device, lambda: f"{forced}the communicator works on {device}")
+        _counters.decided(route, device, spec.label, lambda: f"{forced}the communicator works on {device}")
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug(
                 "offload_shim: staging %s of %s through %s", ", ".join(n for n, _ in names), spec.label, device,

@@ -68,7 +68,7 @@ class StagingCount(NamedTuple):
 _ZERO = (0, 0, 0.0)
 _lock = globals().get("_lock") or threading.Lock()  # state kept across importlib.reload
 _table: dict[tuple[str, str, str], tuple[int, int, float]] = globals().get("_table", {})
-_sites: set[str] = globals().get("_sites", set())  # call sites whose first staged call was logged
+_sites: set[tuple[str, str]] = globals().get("_sites", set())  # (call site, collective) logged
 _summary_registered = globals().get("_summary_registered", False)
 _log = logging.getLogger("offload_shim")
 
@@ -81,18 +81,18 @@ class _Decision(threading.local):
 
 _decision = globals().get("_decision") or _Decision()
 
-# Frames the call site is looked for outside of: offload_shim's, wrapt's, and torch's Python entry to an op
-# (torch.ops.X.Y(...) calls the compiled collectives' CPU kernels from there).
-_NOT_CALL_SITES = (*_warning_location._SHIM_FILES, os.path.join(os.path.dirname(torch.__file__), "_ops.py"))
+_SHIM_FILES = _warning_location._SHIM_FILES  # offload_shim's and wrapt's
+_TORCH_FILES = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
-def decided(route: str, device, why=None) -> None:
-    """A call is staged, by ``route``, through ``device``. ``why``: where the ``offload_shim`` logger is enabled for
-    INFO, a function saying why in a few words, called here if the call site has not been logged yet (and not kept:
-    what it refers to, a process group, is not held beyond the call); ``None`` otherwise."""
+def decided(route: str, device, op: str = "", why=None) -> None:
+    """A call of collective ``op`` is staged, by ``route``, through ``device``. ``why``: where the ``offload_shim``
+    logger is enabled for INFO, a function saying why in a few words, called here if ``op`` has not been logged from
+    the call site yet (and not kept: what it refers to, a process group, is not held beyond the call); ``None``
+    otherwise."""
     note = None
     if why is not None:
-        site = _call_site()
+        site = (_call_site(), op)
         if site not in _sites:
             note = (site, why())
     _decision.last = (route, device, note, perf_counter())
@@ -108,14 +108,14 @@ def count(op: str, mode: str, nbytes: int) -> None:
         calls, total, seconds = _table.get(key, _ZERO)
         _table[key] = (calls + 1, total + nbytes, seconds + (end - start))
         if note is not None:
-            if note[0] in _sites:
+            if note[0] in _sites:  # logged by another thread since the decision
                 note = None
             else:
                 _sites.add(note[0])
     if note is not None:
         _log.info(
             "offload_shim: first staged call at %s: %s, %s, route %s (%s), mode %s, through %s",
-            note[0], op, format_bytes(nbytes), route, note[1], mode, device,
+            note[0][0], op, format_bytes(nbytes), route, note[1], mode, device,
         )
 
 
@@ -132,11 +132,18 @@ def host_bytes(values) -> int:
 
 
 def _call_site() -> str:
-    """``file:line`` of the first frame outside offload_shim, wrapt and torch's ``_ops.py``: the line that called
-    the collective (the application's, or a framework's such as DTensor's)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_NOT_CALL_SITES):
+    """``file:line`` of the innermost frame outside offload_shim, wrapt and torch: the application's line that led to
+    the call, also where torch makes it (``clip_grad_norm_``, DTensor, compiled code); where there is none (a hook run
+    by a thread of torch's own), the innermost frame outside offload_shim and wrapt."""
+    frame, fallback = sys._getframe(1), None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SHIM_FILES):
+            if not filename.startswith(_TORCH_FILES):
+                break
+            fallback = fallback or frame
         frame = frame.f_back
+    frame = frame or fallback
     return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
@@ -159,7 +166,7 @@ def staging_counters() -> Mapping[StagingKey, StagingCount]:
 
         * ``op``: the collective as offload_shim names it: ``'torch.distributed.all_reduce'``,
           ``'torch.distributed._functional_collectives.all_gather_single'``, ``'DTensor.full_tensor'``,
-          ``'torch.ops._c10d_functional.all_reduce.default'``, or a registered communicator's method
+          ``'torch.ops._c10d_functional.all_reduce'``, or a registered communicator's method
           (``'module.Class.method'``).
         * ``route``, what took the call off torch's own path: ``'staged'`` (the group has no backend for CPU, e.g.
           NCCL only; for a communicator, a tensor not on its device), ``'routed'`` (a group with Gloo for CPU and

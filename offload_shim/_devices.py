@@ -307,7 +307,7 @@ def _staging_through(
     if not _log.isEnabledFor(logging.INFO):  # the one question asked of the logger on a staged call's path
         _counters.decided(route, device)
         return device
-    _counters.decided(route, device, lambda: _why(route, group, device, sizes))
+    _counters.decided(route, device, collective, lambda: _why(route, group, device, sizes))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "offload_shim: staging %s of a cpu tensor %s %s through %s (group %s, backend %r)",
