@@ -65,9 +65,8 @@ class StagingCount(NamedTuple):
     seconds: float
 
 
-_ZERO = (0, 0, 0.0)
 _lock = globals().get("_lock") or threading.Lock()  # state kept across importlib.reload
-_table: dict[tuple[str, str, str], tuple[int, int, float]] = globals().get("_table", {})
+_table: dict[tuple[str, str, str], list] = globals().get("_table", {})  # [calls, bytes, seconds] by key
 _sites: set[tuple[str, str]] = globals().get("_sites", set())  # (call site, collective) logged
 _summary_registered = globals().get("_summary_registered", False)
 _log = logging.getLogger("offload_shim")
@@ -104,14 +103,21 @@ def count(op: str, mode: str, nbytes: int) -> None:
     end = perf_counter()
     route, device, note, start = _decision.last
     key = (op, route, mode)
-    with _lock:
-        calls, total, seconds = _table.get(key, _ZERO)
-        _table[key] = (calls + 1, total + nbytes, seconds + (end - start))
+    _lock.acquire()  # not `with`: this is on every staged call's path, and the statement costs more
+    try:
+        entry = _table.get(key)
+        if entry is None:
+            entry = _table[key] = [0, 0, 0.0]
+        entry[0] += 1
+        entry[1] += nbytes
+        entry[2] += end - start
         if note is not None:
             if note[0] in _sites:  # logged by another thread since the decision
                 note = None
             else:
                 _sites.add(note[0])
+    finally:
+        _lock.release()
     if note is not None:
         _log.info(
             "offload_shim: first staged call at %s: %s, %s, route %s (%s), mode %s, through %s",
@@ -187,7 +193,7 @@ def staging_counters() -> Mapping[StagingKey, StagingCount]:
         Calls that need no staging are not counted. Counters are per process and count every thread's calls.
     """
     with _lock:
-        items = sorted(_table.items())
+        items = [(key, tuple(value)) for key, value in sorted(_table.items())]
     return types.MappingProxyType({StagingKey(*key): StagingCount(*value) for key, value in items})
 
 
@@ -199,7 +205,7 @@ def reset_staging_counters() -> Mapping[StagingKey, StagingCount]:
         reading and resetting (counters per training step: call this once a step).
     """
     with _lock:
-        items = sorted(_table.items())
+        items = [(key, tuple(value)) for key, value in sorted(_table.items())]
         _table.clear()
     return types.MappingProxyType({StagingKey(*key): StagingCount(*value) for key, value in items})
 
