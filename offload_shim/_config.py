@@ -35,11 +35,11 @@ Every environment variable offload_shim reads is named here, once.
     (the logger has a ``NullHandler`` only, for the application's own logging configuration). Any other value is
     rejected with :class:`ConfigError`.
 ``OFFLOAD_SHIM_SUMMARY`` (:data:`ENV_SUMMARY`)
-    A boolean, spelled as for ``OFFLOAD_SHIM``. True: when the interpreter exits, the process of rank 0 (``RANK``,
+    A boolean, spelled as for ``OFFLOAD_SHIM``. True: when the interpreter exits, the process of rank 0 (``RANK`` 0,
     or no ``RANK`` at all) prints one table of its staged calls to standard error: calls, bytes and seconds by
-    collective, route and mode (``offload_shim.staging_counters()``), or one line saying that no call was staged.
-    Other ranks print nothing. Unset, empty or false: nothing is printed. Any other value is rejected with
-    :class:`ConfigError`.
+    collective, route and mode (``offload_shim.staging_counters()``), or one line saying that no call was staged
+    (not where ``RANK`` is unset: torchrun's own process imports the shim too, and stages nothing). Other ranks
+    print nothing. Unset, empty or false: nothing is printed. Any other value is rejected with :class:`ConfigError`.
 
 Environment variables are read when offload_shim is imported; :func:`configure` changes the settings later.
 """
