@@ -73,8 +73,7 @@ _log = logging.getLogger("offload_shim")
 
 
 class _Decision(threading.local):
-    # (route, staging device, (call site, reason) where the call site's first staged call is to be logged,
-    # perf_counter() at the decision)
+    # (route, staging device, (call site, why) where the call is to be logged, perf_counter() at the decision)
     last = (STAGED, None, None, 0.0)
 
 
@@ -91,8 +90,8 @@ def decided(route: str, device, op: str = "", why=None) -> None:
     otherwise."""
     note = None
     if why is not None:
-        site = (_call_site(), op)
-        if site not in _sites:
+        site = _call_site()
+        if (site, op) not in _sites:
             note = (site, why())
     _decision.last = (route, device, note, perf_counter())
 
@@ -112,16 +111,17 @@ def count(op: str, mode: str, nbytes: int) -> None:
         entry[1] += nbytes
         entry[2] += end - start
         if note is not None:
-            if note[0] in _sites:  # logged by another thread since the decision
+            if (note[0], op) in _sites:  # logged by another thread since the decision
                 note = None
             else:
-                _sites.add(note[0])
+                _sites.add((note[0], op))
     finally:
         _lock.release()
     if note is not None:
+        site, why = note
         _log.info(
             "offload_shim: first staged call at %s: %s, %s, route %s (%s), mode %s, through %s",
-            note[0][0], op, format_bytes(nbytes), route, note[1], mode, device,
+            site, op, format_bytes(nbytes), route, why, mode, device,
         )
 
 
