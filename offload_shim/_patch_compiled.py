@@ -176,7 +176,7 @@ def _staging_kernel(op):
         finally:
             _counters.count(label, _counters.WHOLE, nbytes)
 
-    def run_staged(device, args, kwargs):
+    def run_staged(device, args, kwargs):  # the op on staged copies, results back as its schema says
         staged = _staging.StagedArguments(device)
 
         def stage(name, value):
