@@ -9,7 +9,8 @@ back to where the caller expects it, with the same semantics and the same bits.
 Importing this package installs the wrappers, unless ``OFFLOAD_SHIM`` is false (see ``offload_shim._config``
 for every environment variable). Public API: :func:`install`, :func:`uninstall`, :func:`is_installed`,
 :func:`configure`, :func:`settings`, :func:`wrapped_functions`, :func:`release_buffers`,
-:func:`register_communicator`, :class:`StagingError`, :class:`ConfigError`.
+:func:`register_communicator`, :func:`staging_counters`, :func:`reset_staging_counters`, :class:`StagingError`,
+:class:`ConfigError`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ __version__ = "0.2.0"
 
 import logging
 
-from offload_shim import _patch_compiled, _patching, _warning_location
+from offload_shim import _counters, _patch_compiled, _patching, _warning_location
 from offload_shim._communicators import register_communicator
 from offload_shim._config import ConfigError, Settings, configure, settings
+from offload_shim._counters import reset_staging_counters, staging_counters
 from offload_shim._devices import StagingError
 from offload_shim._pipeline import release_buffers
 
@@ -33,7 +35,9 @@ __all__ = [
     "is_installed",
     "register_communicator",
     "release_buffers",
+    "reset_staging_counters",
     "settings",
+    "staging_counters",
     "uninstall",
     "wrapped_functions",
 ]
@@ -60,8 +64,9 @@ def _targets():
 def install() -> None:
     """Install the wrappers: the ``torch.distributed`` collectives now (under every name that holds them), the
     functional collectives and ``DTensor.full_tensor`` now or when torch first imports their module, the ``CPU``
-    kernels of the collective ops compiled code runs, and registered communicators. Installing twice changes
-    nothing. Does nothing where ``torch.distributed`` is unavailable."""
+    kernels of the collective ops compiled code runs, and registered communicators; and the table of staged calls
+    at exit, printed where the settings ask for it then (``summary_at_exit``). Installing twice changes nothing.
+    Does nothing where ``torch.distributed`` is unavailable."""
     import torch
     import torch.distributed
 
@@ -71,6 +76,7 @@ def install() -> None:
     _patching.install(_targets())
     _patch_compiled.install()
     _warning_location.install()
+    _counters.register_summary_at_exit()
     logging.getLogger("offload_shim").info(
         "offload_shim %s: installed (torch %s, settings %s)", __version__, torch.__version__, settings()
     )

@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from offload_shim import _config, _devices, _patching, _staging
+from offload_shim import _config, _counters, _devices, _patching, _staging
 
 _log = logging.getLogger("offload_shim")
 
@@ -219,11 +219,27 @@ def _call(spec: _Spec, parameters, wrapped, instance, args, kwargs):
             f"{entry.caller.dtype}) for {name!r}, but the communicator works on {device}, which this process "
             f"cannot use. The tensors were not modified."
         )
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug(
-            "offload_shim: staging %s of %s through %s", ", ".join(n for n, _ in names), spec.label, device,
-            extra={"offload_shim_collective": spec.label, "offload_shim_device": str(device)},
-        )
+    route = _counters.STAGED if any(e.caller.device != device for e in staged.values()) else _counters.FORCED
+    if not _log.isEnabledFor(logging.INFO):
+        _counters.decided(route, device)
+    else:
+        forced = "always_stage; " if route == _counters.FORCED else ""
+        _counters.decided(route, device, spec.label, lambda: f"{forced}the communicator works on {device}")
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug(
+                "offload_shim: staging %s of %s through %s", ", ".join(n for n, _ in names), spec.label, device,
+                extra={"offload_shim_collective": spec.label, "offload_shim_device": str(device)},
+            )
+    nbytes = sum(e.caller.numel() * e.caller.element_size() for e in staged.values())
+    try:
+        return _run_staged(parameters, wrapped, args, kwargs, device, staged, names)
+    finally:
+        _counters.count(spec.label, _counters.WHOLE, nbytes)
+
+
+def _run_staged(parameters, wrapped, args, kwargs, device: torch.device, staged: dict, names: list):
+    """The method called with the tensors of ``staged`` (given for the parameters of ``names``) staged through
+    ``device``, and its results copied back (steps 1 to 4 of the module docstring)."""
     with torch.no_grad():
         for entry in staged.values():
             t = entry.caller

@@ -29,9 +29,17 @@ Every environment variable offload_shim reads is named here, once.
 ``OFFLOAD_SHIM_LOG`` (:data:`ENV_LOG`)
     ``info`` or ``debug`` (any case): offload_shim's log records (logger ``offload_shim``) go to standard error from
     that level, each line naming the process's rank (``RANK``, which torchrun sets): at ``info`` one line when the
-    wrappers are installed, at ``debug`` one line for every staging decision. Unset or empty: nothing is printed
+    wrappers are installed and one line the first time a call from each line of code is staged (where, which
+    collective, bytes, route, mode and why: ``offload_shim._counters``), at ``debug`` also one line for every
+    staging decision. Unset or empty: nothing is printed
     (the logger has a ``NullHandler`` only, for the application's own logging configuration). Any other value is
     rejected with :class:`ConfigError`.
+``OFFLOAD_SHIM_SUMMARY`` (:data:`ENV_SUMMARY`)
+    A boolean, spelled as for ``OFFLOAD_SHIM``. True: when the interpreter exits, the process of rank 0 (``RANK`` 0,
+    or no ``RANK`` at all) prints one table of its staged calls to standard error: calls, bytes and seconds by
+    collective, route and mode (``offload_shim.staging_counters()``), or one line saying that no call was staged
+    (not where ``RANK`` is unset: torchrun's own process imports the shim too, and stages nothing). Other ranks
+    print nothing. Unset, empty or false: nothing is printed. Any other value is rejected with :class:`ConfigError`.
 
 Environment variables are read when offload_shim is imported; :func:`configure` changes the settings later.
 """
@@ -51,8 +59,11 @@ ENV_ALWAYS_STAGE = "OFFLOAD_SHIM_ALWAYS_STAGE"
 ENV_CHUNK_BYTES = "OFFLOAD_SHIM_CHUNK_BYTES"
 ENV_ROUTE_MIN_BYTES = "OFFLOAD_SHIM_ROUTE_MIN_BYTES"
 ENV_LOG = "OFFLOAD_SHIM_LOG"
+ENV_SUMMARY = "OFFLOAD_SHIM_SUMMARY"
 LOG_LEVELS = {"info": 20, "debug": 10}  # logging.INFO, logging.DEBUG
-ENVIRONMENT = (ENV_ENABLE, ENV_STAGING_DEVICE, ENV_ALWAYS_STAGE, ENV_CHUNK_BYTES, ENV_ROUTE_MIN_BYTES, ENV_LOG)
+ENVIRONMENT = (
+    ENV_ENABLE, ENV_STAGING_DEVICE, ENV_ALWAYS_STAGE, ENV_CHUNK_BYTES, ENV_ROUTE_MIN_BYTES, ENV_LOG, ENV_SUMMARY
+)
 
 DEFAULT_CHUNK_BYTES = 16 << 20  # measured: results/gpu/bench.log, chunk sweep
 DEFAULT_ROUTE_MIN_BYTES = 1 << 20  # measured: Gloo beats NCCL staging below about 1 MiB
@@ -76,12 +87,14 @@ class Settings:
         chunk_bytes: chunk size of the staging pipeline, in bytes.
         route_min_bytes: smallest CPU tensor, in bytes, routed off a group's CPU backend through its accelerator
             backend; ``None``: never routed.
+        summary_at_exit: print the table of staged calls to standard error at exit, on rank 0.
     """
 
     staging_device: torch.device | None = None
     always_stage: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     route_min_bytes: int | None = DEFAULT_ROUTE_MIN_BYTES
+    summary_at_exit: bool = False
 
 
 def parse_flag(name: str, environ=os.environ) -> bool | None:
@@ -162,6 +175,7 @@ def settings_from_environment(environ=os.environ) -> Settings:
         always_stage=bool(parse_flag(ENV_ALWAYS_STAGE, environ)),
         chunk_bytes=DEFAULT_CHUNK_BYTES if chunk is None else _parse_bytes(chunk, ENV_CHUNK_BYTES),
         route_min_bytes=DEFAULT_ROUTE_MIN_BYTES if route is None else _parse_bytes(route, ENV_ROUTE_MIN_BYTES, True),
+        summary_at_exit=bool(parse_flag(ENV_SUMMARY, environ)),
     )
 
 
@@ -182,6 +196,7 @@ def configure(**changes) -> Settings:
         always_stage (bool): stage CPU tensors even where the group serves CPU.
         chunk_bytes (int | str): chunk size of the staging pipeline, e.g. ``32 << 20`` or ``"32MiB"``.
         route_min_bytes (int | str | None): smallest CPU tensor routed off Gloo; ``None`` or ``"off"``: never.
+        summary_at_exit (bool): print the table of staged calls at exit, on rank 0.
 
     Returns:
         The settings that were in force before, so that ``configure(**dataclasses.asdict(old))`` restores them.
@@ -200,11 +215,12 @@ def configure(**changes) -> Settings:
         changes["chunk_bytes"] = _parse_bytes(changes["chunk_bytes"], "chunk_bytes")
     if "route_min_bytes" in changes:
         changes["route_min_bytes"] = _parse_bytes(changes["route_min_bytes"], "route_min_bytes", allow_off=True)
-    if "always_stage" in changes and not isinstance(changes["always_stage"], bool):
-        raise ConfigError(
-            f"always_stage={changes['always_stage']!r} is not a boolean: use True or False "
-            f"({ENV_ALWAYS_STAGE} in the environment takes {sorted(_TRUE)} or {sorted(_FALSE)})"
-        )
+    for name, variable in (("always_stage", ENV_ALWAYS_STAGE), ("summary_at_exit", ENV_SUMMARY)):
+        if name in changes and not isinstance(changes[name], bool):
+            raise ConfigError(
+                f"{name}={changes[name]!r} is not a boolean: use True or False "
+                f"({variable} in the environment takes {sorted(_TRUE)} or {sorted(_FALSE)})"
+            )
     with _lock:
         previous = _settings
         _settings = dataclasses.replace(previous, **changes)

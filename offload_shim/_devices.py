@@ -26,7 +26,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _staging
+from offload_shim import _config, _counters, _staging
 
 
 _log = logging.getLogger("offload_shim")
@@ -191,7 +191,7 @@ def staging_device_for(
     settings = _config.settings()
     last, last_settings, last_device = _last_staged
     if last() is group and last_settings is settings and _staging.needs_staging(tensor):
-        return _staging_through(last_device, tensor, group, collective)  # as decided below for this group before
+        return _staging_through(last_device, tensor, group, collective, _counters.STAGED)  # as decided below before
     served = served_device_types(group)
     cpu_served = "cpu" in served
     if cpu_served and not (settings.always_stage or _routes(route_bytes, settings)):
@@ -207,13 +207,18 @@ def staging_device_for(
     if device is not None and device.type != "cpu" and not _usable(device):
         device = None
     if device is not None and device.type in served:
-        # Routing off the CPU backend pays only where another backend serves the accelerator.
-        if cpu_served and not settings.always_stage and device.type != "cpu":
-            if backend_for(group, device.type) == backend_for(group, "cpu"):
+        route = _counters.STAGED
+        if cpu_served:
+            # Routing off the CPU backend pays only where another backend serves the accelerator.
+            routed = _routes(route_bytes, settings) and not (
+                device.type != "cpu" and backend_for(group, device.type) == backend_for(group, "cpu")
+            )
+            if not (routed or settings.always_stage):
                 return None
+            route = _counters.ROUTED if routed else _counters.FORCED
         if fixed and not cpu_served:  # the same answer for every dense tensor on this group, whatever its size
             _remember(group, settings, device)
-        return _staging_through(device, tensor, group, collective)
+        return _staging_through(device, tensor, group, collective, route, (route_bytes, settings.route_min_bytes))
     if cpu_served:
         return None
     raise StagingError(_unstageable_message(tensor, group, collective, served, settings.staging_device))
@@ -250,7 +255,8 @@ def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) 
     for t in tensors:
         if t.device.type != "cpu" and t.device.type in served:
             if "cpu" not in served or backend_for(group, "cpu") != backend_for(group, t.device.type):
-                return _staging_through(t.device, host, group, collective)
+                route = _counters.STAGED if "cpu" not in served else _counters.MIXED
+                return _staging_through(t.device, host, group, collective, route)
             return None
     return staging_device_for(host, group, collective)
 
@@ -277,9 +283,13 @@ def _unstaged_layout(tensor, group, collective: str, served) -> None:
     )
 
 
-def _staging_through(device: torch.device, tensor: torch.Tensor, group, collective: str) -> torch.device | None:
-    """``device``, the decision to stage ``tensor`` for ``collective`` through it, logged at DEBUG; ``None`` (or
-    :class:`StagingError` where the group serves no CPU) inside torch's ``_coalescing_manager`` on ``group``."""
+def _staging_through(
+    device: torch.device, tensor: torch.Tensor, group, collective: str, route: str, sizes: tuple = (None, None)
+) -> torch.device | None:
+    """``device``: the decision to stage ``tensor`` for ``collective`` through it, by ``route`` (a route of
+    ``_counters``), kept for the call's count (``_counters.decided``) and logged at DEBUG; ``None`` (or
+    :class:`StagingError` where the group serves no CPU) inside torch's ``_coalescing_manager`` on ``group``.
+    ``sizes``: the call's bytes and ``route_min_bytes``, which say why a routed call is routed."""
     if group in getattr(dist.distributed_c10d._world, "pg_coalesce_state", {}):
         # torch only records the collective there, to run it at the block's end: a staged copy would be copied
         # back before it held the result.
@@ -294,6 +304,10 @@ def _staging_through(device: torch.device, tensor: torch.Tensor, group, collecti
             f"or make the calls outside the coalescing manager; or give the group a CPU backend, e.g. "
             f"init_process_group({_with_cpu_backend(group, served)!r}). The tensor was not modified."
         )
+    if not _log.isEnabledFor(logging.INFO):  # the one question asked of the logger on a staged call's path
+        _counters.decided(route, device)
+        return device
+    _counters.decided(route, device, collective, lambda: _why(route, group, device, sizes))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "offload_shim: staging %s of a cpu tensor %s %s through %s (group %s, backend %r)",
@@ -301,6 +315,20 @@ def _staging_through(device: torch.device, tensor: torch.Tensor, group, collecti
             extra={"offload_shim_collective": collective, "offload_shim_device": str(device)},
         )
     return device
+
+
+def _why(route: str, group, device: torch.device, sizes: tuple) -> str:
+    """Why a call on ``group`` is staged by ``route`` through ``device``, in a few words, for the log."""
+    served = ", ".join(sorted(served_device_types(group)))
+    where = f"group {group_label(group)} with backend {backend_description(group)} serves {served}"
+    if route == _counters.STAGED:
+        return f"{where} only"
+    if route == _counters.ROUTED:
+        nbytes, threshold = sizes
+        return f"{_counters.format_bytes(nbytes)} >= route_min_bytes {_counters.format_bytes(threshold)}; {where}"
+    if route == _counters.MIXED:
+        return f"its other tensors are on {device}; {where}"
+    return f"always_stage; {where}"
 
 
 def _routes(route_bytes: int | None, settings: _config.Settings) -> bool:

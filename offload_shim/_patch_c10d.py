@@ -27,7 +27,7 @@ from typing import Mapping
 
 import torch
 
-from offload_shim import _config, _devices, _pipeline, _staging
+from offload_shim import _config, _counters, _devices, _pipeline, _staging
 from offload_shim._patching import Parameters, Target
 
 MODULE = "torch.distributed.distributed_c10d"
@@ -91,26 +91,36 @@ def _in_place_wrapper(collective: str):
             reads, writes = _roles(collective, parameters, args, kwargs, group) if has_roles else (True, True)
             # Chosen from what every rank shares (the size, the settings), so that every rank splits it alike.
             if nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * _config.settings().chunk_bytes:
-                def launch(chunk):
-                    chunk_args, chunk_kwargs = parameters.replace(args, kwargs, "tensor", chunk)
-                    chunk_args, chunk_kwargs = parameters.replace(chunk_args, chunk_kwargs, "async_op", True)
-                    return wrapped(*chunk_args, **chunk_kwargs)
+                mode = _counters.PIPELINED
+            elif not async_op and nbytes <= _staging.SMALL_CALL_BYTES:
+                mode = _counters.SMALL
+            else:
+                mode = _counters.WHOLE
+            try:
+                if mode is _counters.PIPELINED:
+                    def launch(chunk):
+                        chunk_args, chunk_kwargs = parameters.replace(args, kwargs, "tensor", chunk)
+                        chunk_args, chunk_kwargs = parameters.replace(chunk_args, chunk_kwargs, "async_op", True)
+                        return wrapped(*chunk_args, **chunk_kwargs)
 
-                return _pipeline.stage_in_place(
-                    tensor, device, group, launch, name,
-                    reads=reads, writes=writes, async_op=async_op,
-                )
-            if not async_op and nbytes <= _staging.SMALL_CALL_BYTES:
-                def run(staged):
-                    call_args, call_kwargs = parameters.replace(args, kwargs, "tensor", staged)
-                    return wrapped(*call_args, **call_kwargs)
+                    return _pipeline.stage_in_place(
+                        tensor, device, group, launch, name,
+                        reads=reads, writes=writes, async_op=async_op,
+                    )
+                if mode is _counters.SMALL:
+                    def run(staged):
+                        call_args, call_kwargs = parameters.replace(args, kwargs, "tensor", staged)
+                        return wrapped(*call_args, **call_kwargs)
 
-                return _staging.stage_small_in_place(tensor, device, run, reads=reads, writes=writes)
-            staged = _staging.StagedArguments(device)
-            args, kwargs = parameters.replace(args, kwargs, "tensor", staged.stage(tensor, reads=reads, writes=writes))
-            with _staging.staged_call():
-                result = wrapped(*args, **kwargs)
-            return staged.complete(result, [tensor])
+                    return _staging.stage_small_in_place(tensor, device, run, reads=reads, writes=writes)
+                staged = _staging.StagedArguments(device)
+                value = staged.stage(tensor, reads=reads, writes=writes)
+                args, kwargs = parameters.replace(args, kwargs, "tensor", value)
+                with _staging.staged_call():
+                    result = wrapped(*args, **kwargs)
+                return staged.complete(result, [tensor])
+            finally:
+                _counters.count(name, mode, nbytes)
 
         return wrapper
 
@@ -150,13 +160,17 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str]):
             device = _devices.staging_device_for_call(tensors, group, name)
             if device is None:
                 return wrapped(*args, **kwargs)
-            staged = _staging.StagedArguments(device)
-            for param, role in roles.items():
-                value = staged.stage(values[param], reads=role != WRITE, writes=role != READ)
-                args, kwargs = parameters.replace(args, kwargs, param, value)
-            with _staging.staged_call():
-                result = wrapped(*args, **kwargs)
-            return staged.complete(result)
+            nbytes = _counters.host_bytes(tensors)
+            try:
+                staged = _staging.StagedArguments(device)
+                for param, role in roles.items():
+                    value = staged.stage(values[param], reads=role != WRITE, writes=role != READ)
+                    args, kwargs = parameters.replace(args, kwargs, param, value)
+                with _staging.staged_call():
+                    result = wrapped(*args, **kwargs)
+                return staged.complete(result)
+            finally:
+                _counters.count(name, _counters.WHOLE, nbytes)
 
         return wrapper
 

@@ -41,7 +41,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from offload_shim import _devices, _staging
+from offload_shim import _counters, _devices, _staging
 
 # The namespaces of collective ops with CompositeExplicitAutograd kernels only: the functional collectives, and
 # DTensor's Shard(i) to Shard(j) all-to-all (``torch.ops._dtensor.shard_dim_alltoall``, which DTensor redistribution
@@ -170,6 +170,13 @@ def _staging_kernel(op):
         device = None if tensor is None or group is None else _devices.staging_device_for(tensor, group, label)
         if device is None:
             return original(*args, **kwargs)
+        nbytes = _counters.host_bytes((*args, *kwargs.values()))
+        try:
+            return run_staged(device, args, kwargs)
+        finally:
+            _counters.count(label, _counters.WHOLE, nbytes)
+
+    def run_staged(device, args, kwargs):  # the op on staged copies, results back as its schema says
         staged = _staging.StagedArguments(device)
 
         def stage(name, value):

@@ -25,16 +25,17 @@ Side effects are safe to repeat: under ``torch.compile`` this wrapper has been s
 
 from __future__ import annotations
 
-from offload_shim import _devices, _pipeline_gather, _staging
+from offload_shim import _counters, _devices, _pipeline_gather, _staging
 from offload_shim._patching import Target
 
 MODULE = "torch.distributed.tensor._api"
+COLLECTIVE = _pipeline_gather.COLLECTIVE  # "DTensor.full_tensor"
 
 
 def _staging_device_for_mesh(local, mesh, route_bytes):
     """The device to stage ``local`` through for a collective on every dimension of ``mesh``, or ``None``."""
     devices = {
-        _devices.staging_device_for(local, mesh.get_group(dim), "DTensor.full_tensor", route_bytes)
+        _devices.staging_device_for(local, mesh.get_group(dim), COLLECTIVE, route_bytes)
         for dim in range(mesh.ndim)
     }
     devices.discard(None)
@@ -58,25 +59,35 @@ def _make_full_tensor_wrapper(original):
         device = _staging_device_for_mesh(local, mesh, instance.numel() * local.element_size())
         if device is None:
             return wrapped(*args, **kwargs)
+        chunked = None
         if not args and set(kwargs) <= {"grad_placements"} and kwargs.get("grad_placements") is None:
             chunked = _pipeline_gather.plan(instance, device)
+        try:
             if chunked is not None:
                 return _pipeline_gather.full_tensor(instance, chunked)
-        from torch.distributed.tensor import DTensor
-
-        staged = DTensor.from_local(
-            _staging.to_staging(instance.to_local(), device),
-            mesh,
-            instance.placements,
-            run_check=False,
-            shape=instance.shape,
-            stride=instance.stride(),
-        )
-        with _staging.staged_call():
-            full = original(staged, *args, **kwargs)
-        return _staging.to_caller(full, local.device)
+            return _staged_whole(original, instance, device, args, kwargs)
+        finally:
+            _counters.count(COLLECTIVE, _counters.WHOLE if chunked is None else _counters.PIPELINED, local.nbytes)
 
     return wrapper
+
+
+def _staged_whole(original, instance, device, args, kwargs):
+    """``instance.full_tensor(*args, **kwargs)`` with the local shard staged through ``device`` once, the full
+    tensor back once."""
+    from torch.distributed.tensor import DTensor
+
+    staged = DTensor.from_local(
+        _staging.to_staging(instance.to_local(), device),
+        instance.device_mesh,
+        instance.placements,
+        run_check=False,
+        shape=instance.shape,
+        stride=instance.stride(),
+    )
+    with _staging.staged_call():
+        full = original(staged, *args, **kwargs)
+    return _staging.to_caller(full, instance._local_tensor.device)
 
 
 TARGETS = [Target(MODULE, "full_tensor", _make_full_tensor_wrapper, owner="DTensor")]

@@ -13,7 +13,7 @@ has are wrapped.
 
 from __future__ import annotations
 
-from offload_shim import _devices, _staging
+from offload_shim import _counters, _devices, _staging
 from offload_shim._patching import Parameters, Target
 
 MODULE = "torch.distributed._functional_collectives"
@@ -66,15 +66,19 @@ def _functional_wrapper(collective: str, input_name: str):
                 device = _devices.staging_device_for_call(inputs, group, name)
             if device is None:
                 return wrapped(*args, **kwargs)
-            staged = [_staging.to_staging(t, device) if _staging.needs_staging(t) else t for t in inputs]
-            args, kwargs = parameters.replace(args, kwargs, input_name, staged if coalesced else staged[0])
-            with _staging.staged_call():
-                result = wrapped(*args, **kwargs)
-                results = [_waited(r) for r in (result if coalesced else [result])]
-            back = [
-                _staging.to_caller(r, t.device) if _staging.needs_staging(t) else r for r, t in zip(results, inputs)
-            ]
-            return back if coalesced else back[0]
+            nbytes = _counters.host_bytes(inputs)
+            try:
+                staged = [_staging.to_staging(t, device) if _staging.needs_staging(t) else t for t in inputs]
+                args, kwargs = parameters.replace(args, kwargs, input_name, staged if coalesced else staged[0])
+                with _staging.staged_call():
+                    result = wrapped(*args, **kwargs)
+                    results = [_waited(r) for r in (result if coalesced else [result])]
+                back = [
+                    _staging.to_caller(r, t.device) if _staging.needs_staging(t) else r for r, t in zip(results, inputs)
+                ]
+                return back if coalesced else back[0]
+            finally:
+                _counters.count(name, _counters.WHOLE, nbytes)
 
         return wrapper
 

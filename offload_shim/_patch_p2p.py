@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from offload_shim import _devices, _staging
+from offload_shim import _counters, _devices, _staging
 from offload_shim._patch_c10d import ALIASES, MODULE, READ, WRITE, staged_arguments_wrapper
 from offload_shim._patching import Target
 
 POINT_TO_POINT = {"send": READ, "isend": READ, "recv": WRITE, "irecv": WRITE}
+BATCH = "torch.distributed.batch_isend_irecv"
 
 
 def _batch_wrapper(original):
@@ -30,30 +31,39 @@ def _batch_wrapper(original):
         group = _devices.resolve_c10d_group(getattr(operations[0], "group", None))
         device = None
         if group is not None and any(_staging.needs_staging(t) for t in tensors):
-            device = _devices.staging_device_for_call(tensors, group, "torch.distributed.batch_isend_irecv")
+            device = _devices.staging_device_for_call(tensors, group, BATCH)
         if device is None:
             return wrapped(operations)
-        staged = [_staging.StagedArguments(device) for _ in operations]
-        for operation, arguments in zip(operations, staged):
-            sends = operation.op is dist.distributed_c10d.isend
-            operation.tensor = arguments.stage(operation.tensor, reads=sends, writes=not sends)
-        with _staging.staged_call():
-            works = wrapped(operations)
-        if len(works) == len(operations):  # one work per operation (Gloo): each handle finishes its own receive
-            return [_staging.StagedWork([w], a.copy_back, a.callers()) for w, a in zip(works, staged)]
-
-        def copy_back():
-            for arguments in staged:
-                arguments.copy_back()
-
-        if not works:  # nothing to wait for
-            copy_back()
-            return works
-        # One work for the batch (NCCL coalesces it): one handle, at every position, that waits the batch once and
-        # copies every receive back.
-        return [_staging.StagedWork(works, copy_back, [t for a in staged for t in a.callers()])] * len(works)
+        nbytes = _counters.host_bytes(tensors)
+        try:
+            return _staged_batch(wrapped, operations, device)
+        finally:
+            _counters.count(BATCH, _counters.WHOLE, nbytes)
 
     return wrapper
+
+
+def _staged_batch(wrapped, operations, device):
+    """``batch_isend_irecv(operations)`` with each operation's host tensor staged through ``device``."""
+    staged = [_staging.StagedArguments(device) for _ in operations]
+    for operation, arguments in zip(operations, staged):
+        sends = operation.op is dist.distributed_c10d.isend
+        operation.tensor = arguments.stage(operation.tensor, reads=sends, writes=not sends)
+    with _staging.staged_call():
+        works = wrapped(operations)
+    if len(works) == len(operations):  # one work per operation (Gloo): each handle finishes its own receive
+        return [_staging.StagedWork([w], a.copy_back, a.callers()) for w, a in zip(works, staged)]
+
+    def copy_back():
+        for arguments in staged:
+            arguments.copy_back()
+
+    if not works:  # nothing to wait for
+        copy_back()
+        return works
+    # One work for the batch (NCCL coalesces it): one handle, at every position, that waits the batch once and
+    # copies every receive back.
+    return [_staging.StagedWork(works, copy_back, [t for a in staged for t in a.callers()])] * len(works)
 
 
 def _current(operation):

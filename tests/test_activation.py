@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -149,6 +150,9 @@ try:
 except RuntimeError as exc:
     line = f"rank {dist.get_rank()} {type(exc).__name__} {exc} | tensor {tensor.tolist()}"
 os.write(1, (line + "\\n").encode())  # one write: the ranks share one pipe
+gloo = dist.new_group(backend="gloo")  # serves CPU: staged only where OFFLOAD_SHIM_ALWAYS_STAGE forces it
+for _ in range(2):
+    dist.all_reduce(torch.ones(2), group=gloo)
 # Wait for every rank before tearing down: a rank that destroys the group while another is still connecting makes
 # that one's init fail ("Connection closed by peer"), and the group has no collective that works here.
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
@@ -160,6 +164,7 @@ dist.destroy_process_group()
 
 
 def torchrun(tmp_path, env):
+    """The ranks' lines of stdout, sorted, and stderr."""
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     environ = {k: v for k, v in os.environ.items() if k not in SHIM_VARIABLES}
@@ -168,17 +173,39 @@ def torchrun(tmp_path, env):
     result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=240)
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
     assert result.returncode == 0 and len(lines) == 2, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return lines
+    return lines, result.stderr
 
 
 @pytest.mark.skipif(__import__("torch").accelerator.is_available(), reason="needs a machine without an accelerator")
 def test_torchrun_with_offload_shim_1(tmp_path):
-    lines = torchrun(tmp_path, {"OFFLOAD_SHIM": "1"})
+    """Also, with OFFLOAD_SHIM_LOG=info and OFFLOAD_SHIM_SUMMARY=1 (and the staging forced on the script's Gloo
+    group): each rank logs the first staged call from the script's line once, and at exit rank 0 alone prints the
+    table (not rank 1, nor torchrun's own process, which imports the shim too); without the shim, nothing."""
+    lines, stderr = torchrun(tmp_path, {
+        "OFFLOAD_SHIM": "1", "OFFLOAD_SHIM_LOG": "info", "OFFLOAD_SHIM_SUMMARY": "1",
+        "OFFLOAD_SHIM_STAGING_DEVICE": "cpu", "OFFLOAD_SHIM_ALWAYS_STAGE": "1",
+    })
     for rank, line in enumerate(lines):
         assert line.startswith(f"rank {rank} StagingError offload_shim: torch.distributed.all_reduce got a tensor on cpu")
         assert line.endswith("| tensor [1.0, 1.0, 1.0, 1.0]")
-    without = torchrun(tmp_path, {})
+    site = f"{tmp_path / 'train.py'}:{TRAIN.splitlines().index('    dist.all_reduce(torch.ones(2), group=gloo)') + 1}"
+    logged = sorted(re.sub(r"pid \d+", "pid P", line) for line in stderr.splitlines() if "first staged call" in line)
+    assert logged == [
+        f"[rank {rank} pid P] offload_shim: first staged call at {site}: torch.distributed.all_reduce, 8 B, route "
+        f"forced (always_stage; group '1' with backend gloo serves cpu, cuda), mode small, through cpu"
+        for rank in range(2)
+    ]
+    errors = stderr.splitlines()
+    summaries = ("offload_shim: staged calls on ", "offload_shim: no call was staged on ")
+    tables = [i for i, line in enumerate(errors) if line.startswith(summaries)]
+    assert len(tables) == 1 and re.fullmatch(r"offload_shim: staged calls on rank 0 \(pid \d+\):", errors[tables[0]])
+    header, row, total = errors[tables[0] + 1 : tables[0] + 4]
+    assert header == "op                            route   mode   calls  bytes   seconds"
+    assert re.fullmatch(r"torch\.distributed\.all_reduce  forced  small      2   16 B  0\.\d{6}", row), row
+    assert re.fullmatch(r"total                                            2   16 B  0\.\d{6}", total), total
+    without, stderr = torchrun(tmp_path, {"OFFLOAD_SHIM_LOG": "info", "OFFLOAD_SHIM_SUMMARY": "1"})
     assert without == [f"rank {r} RuntimeError No backend type associated with device type cpu | tensor [1.0, 1.0, 1.0, 1.0]" for r in range(2)]
+    assert "offload_shim" not in stderr
 
 
 @pytest.fixture

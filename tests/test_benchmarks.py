@@ -22,3 +22,4 @@ def test_served_path_benchmark_reports_each_case(tmp_path):
         assert case["shim_on_cpu_us_per_call"] > 0 and case["shim_off_cpu_us_per_call"] > 0
         assert abs(case["added_cpu_us_per_call"] - (case["shim_on_cpu_us_per_call"] - case["shim_off_cpu_us_per_call"])) < 1e-9
     assert result.stdout.count("added") == 2
+    assert report["counting_cpu_us_per_staged_call"] > 0 and "counting a staged call" in result.stdout

@@ -102,6 +102,7 @@ def test_configure_and_the_environment_name_the_setting_and_its_values_alike():
     before = offload_shim.settings()
     for changes, environ, message in (
         ({"always_stage": "yes"}, {"OFFLOAD_SHIM_ALWAYS_STAGE": "maybe"}, "is not a boolean: use"),
+        ({"summary_at_exit": 1}, {"OFFLOAD_SHIM_SUMMARY": "sometimes"}, "is not a boolean: use"),
         ({"chunk_bytes": "abc"}, {"OFFLOAD_SHIM_CHUNK_BYTES": "abc"}, "is not a size: give bytes"),
         ({"route_min_bytes": "-1"}, {"OFFLOAD_SHIM_ROUTE_MIN_BYTES": "-1"}, "is not a size: give bytes"),
         ({"staging_device": "nonsense"}, {"OFFLOAD_SHIM_STAGING_DEVICE": "nonsense"}, "is not a device"),

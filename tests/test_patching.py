@@ -126,8 +126,9 @@ import logging, torch, torch.distributed as dist, offload_shim
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 copies = []
 class Recorder(logging.Handler):
-    def emit(self, record):
-        copies.append(getattr(record, "offload_shim_device", None))
+    def emit(self, record):  # the staging decisions (not the first staged call of each line, at INFO)
+        if hasattr(record, "offload_shim_device"):
+            copies.append(record.offload_shim_device)
 logging.getLogger("offload_shim").addHandler(Recorder())
 logging.getLogger("offload_shim").setLevel(logging.DEBUG)
 offload_shim.configure(staging_device="cpu", always_stage=True)
