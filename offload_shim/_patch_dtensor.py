@@ -33,10 +33,14 @@ COLLECTIVE = _pipeline_gather.COLLECTIVE  # "DTensor.full_tensor"
 
 
 def _staging_device_for_mesh(local, mesh, route_bytes):
-    """The device to stage ``local`` through for a collective on every dimension of ``mesh``, or ``None``."""
+    """The device to stage ``local`` through for a collective on every dimension of ``mesh``, or ``None``. A
+    dimension of one rank is left out: torch's redistribution runs no collective there (the ``num_chunks == 1``
+    short cut of ``torch.distributed.tensor._redistribute``), so ``full_tensor`` on a one-rank mesh stays torch's
+    own, a no-op, rather than a copy to the accelerator and back."""
     devices = {
         _devices.staging_device_for(local, mesh.get_group(dim), COLLECTIVE, route_bytes)
         for dim in range(mesh.ndim)
+        if mesh.size(dim) > 1
     }
     devices.discard(None)
     if not devices:

@@ -70,6 +70,7 @@ def check_counters():
 
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))  # made before anything is staged: its set-up is not counted
+    solo = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pair", "solo"))["solo"]  # one rank: no collective
     offload_shim.register_communicator(
         THIS_MODULE, "local_double", device=lambda _: torch.device("cpu"), reads="tensor", writes="tensor"
     )
@@ -94,6 +95,8 @@ def check_counters():
         funcol.all_gather_single(torch.ones(3), 0, dist.group.WORLD)
         DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0)], run_check=False).full_tensor()  # under 2 chunks
         DTensor.from_local(torch.ones(16, 2), mesh, [Shard(0)], run_check=False).full_tensor()  # 256 bytes
+        # On a one-rank mesh torch's full_tensor communicates nothing, and is left to torch: not counted.
+        assert torch.equal(DTensor.from_local(torch.ones(16, 2), solo, [Shard(0)]).full_tensor(), torch.ones(16, 2))
         COMPILED.wait_tensor(COMPILED.all_reduce(torch.ones(2), "sum", dist.group.WORLD.group_name))
         local_double(torch.ones(7))
         with configured(always_stage=False, route_min_bytes=64):
