@@ -153,10 +153,16 @@ def main_on_cpu(args) -> int:
             print(f"run {name}: torch {torch.__version__}, world {dist.get_world_size()}, backend gloo, no accelerator", flush=True)
         if staged:
             shim.configure(staging_device="cpu", always_stage=True)
+            shim.reset_staging_counters()
         else:
             shim.uninstall()
         losses, norms, model = train(args, cpu, rank, offload=False)
         runs[name] = (losses, norms, {n: p.full_tensor() for n, p in model.named_parameters()})
+        if staged and rank == 0:
+            counts = shim.staging_counters()
+            print(f"staged {sum(c.calls for c in counts.values())} calls of {len({k.op for k in counts})} collectives, "
+                  f"{sum(c.bytes for c in counts.values()) / 2**20:.1f} MiB of FSDP2's tensors, through host copies",
+                  flush=True)
     (losses, norms, full), (ref_losses, ref_norms, ref_full) = runs.values()
     same = losses == ref_losses and norms == ref_norms and all(torch.equal(full[n], ref_full[n]) for n in full)
     if rank == 0:
