@@ -194,7 +194,7 @@ def staging_device_for(
         return _staging_through(last_device, tensor, group, collective, _counters.STAGED)  # as decided below before
     served = served_device_types(group)
     cpu_served = "cpu" in served
-    if cpu_served and not (settings.always_stage or _routes(route_bytes, settings)):
+    if cpu_served and not (settings.always_stage or _routes(route_bytes, settings, group)):
         return None  # the served path: no more work than this on a call that needs no staging
     if not _staging.needs_staging(tensor):  # sparse or nested: left to a CPU backend, never staged
         return _unstaged_layout(tensor, group, collective, served)
@@ -210,7 +210,7 @@ def staging_device_for(
         route = _counters.STAGED
         if cpu_served:
             # Routing off the CPU backend pays only where another backend serves the accelerator.
-            routed = _routes(route_bytes, settings) and not (
+            routed = _routes(route_bytes, settings, group) and not (
                 device.type != "cpu" and backend_for(group, device.type) == backend_for(group, "cpu")
             )
             if not (routed or settings.always_stage):
@@ -331,8 +331,15 @@ def _why(route: str, group, device: torch.device, sizes: tuple) -> str:
     return f"always_stage; {where}"
 
 
-def _routes(route_bytes: int | None, settings: _config.Settings) -> bool:
-    return route_bytes is not None and settings.route_min_bytes is not None and route_bytes >= settings.route_min_bytes
+def _routes(route_bytes: int | None, settings: _config.Settings, group: dist.ProcessGroup) -> bool:
+    """Whether a call of ``route_bytes`` is large enough to route off the group's CPU backend. Never on a group of
+    one rank: its CPU backend moves nothing between ranks, and staging would only add the copies."""
+    return (
+        route_bytes is not None
+        and settings.route_min_bytes is not None
+        and route_bytes >= settings.route_min_bytes
+        and group.size() > 1
+    )
 
 
 def _unstageable_message(tensor, group, collective, served, configured) -> str:

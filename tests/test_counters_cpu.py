@@ -103,6 +103,7 @@ def check_counters():
             dist.all_reduce(torch.ones(16))  # 64 bytes: routed off Gloo
             funcol.all_reduce(torch.ones(16), "sum", dist.group.WORLD)
             dist.all_reduce(torch.ones(15))  # 60 bytes: served by Gloo, not counted
+            dist.all_reduce(torch.ones(16), group=solo.get_group())  # one rank: never routed, not counted
         with configured(always_stage=False):  # the served path: nothing counted
             dist.all_reduce(torch.ones(4))
             dist.all_gather([torch.zeros(4), torch.zeros(4)], torch.ones(4))
