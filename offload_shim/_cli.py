@@ -47,9 +47,10 @@ def _info() -> int:
     return 0
 
 
-def info() -> int:
-    """``offload-shim info``: a malformed setting is reported in one line (exit status 2), as
-    ``offload_shim_boot.main`` reports it when importing the package raises."""
+def _malformed_setting() -> int | None:
+    """Exit status 2, after one line on standard error naming a malformed ``OFFLOAD_SHIM*`` variable and the values
+    it takes (as ``offload_shim_boot.main`` reports it when importing the package raises); ``None`` where every
+    variable is well formed."""
     from offload_shim import _config
 
     try:
@@ -59,7 +60,12 @@ def info() -> int:
     except _config.ConfigError as exc:
         print(f"offload-shim: {exc}", file=sys.stderr)
         return 2
-    return _info()
+    return None
+
+
+def info() -> int:
+    """``offload-shim info``; a malformed setting is one line and exit status 2."""
+    return _malformed_setting() or _info()
 
 
 def doctor(backend: str | None = None) -> int:
@@ -67,15 +73,9 @@ def doctor(backend: str | None = None) -> int:
     torchrun (``RANK`` and ``WORLD_SIZE`` set), make the default process group (``backend``, default the
     accelerator's own) and check each rank. Returns 1 with the problems listed where the shim would not work,
     2 for a malformed setting, 0 otherwise."""
-    from offload_shim import _config
-
-    try:
-        _config.parse_flag(_config.ENV_ENABLE)
-        _config.settings_from_environment()
-        _config.log_level_from_environment()
-    except _config.ConfigError as exc:
-        print(f"offload-shim: {exc}", file=sys.stderr)
-        return 2
+    malformed = _malformed_setting()
+    if malformed:
+        return malformed
     import torch.distributed as dist
 
     problems, notes = [], []
