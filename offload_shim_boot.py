@@ -32,15 +32,34 @@ def activate(asked_by: str) -> None:
     shim was asked for (``asked_by`` says by what, e.g. ``"OFFLOAD_SHIM='1'"``) and is not installed afterwards, a
     ``RuntimeWarning`` names the cause and the fix, once per process whichever paths call this."""
     try:
-        import offload_shim
+        reason = _not_a_package() if "offload_shim" not in sys.modules else None
+        if reason is None:
+            import offload_shim
+
+            reason = not_installed_reason(offload_shim)
     except Exception as exc:  # never break `import torch`
         reason = import_failure(exc)
-    else:
-        reason = not_installed_reason(offload_shim)
     global _warned
     if reason and not _warned:
         _warned = True
         warnings.warn(f"offload_shim is not enabled: {reason} [asked for by {asked_by}]", RuntimeWarning, stacklevel=2)
+
+
+def _not_a_package() -> str | None:
+    """Why what ``import offload_shim`` would find is not a package to import, found without importing it: a
+    module file of that name (someone's ``offload_shim.py``, which importing would run) or nothing at all. ``None``
+    for a package, or a folder the import system would make a namespace package (:func:`not_installed_reason`)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("offload_shim")
+    if spec is None:
+        return f"offload_shim is not installed in this environment ({sys.executable}): pip install offload_shim"
+    if spec.submodule_search_locations is None:
+        return (
+            f"'offload_shim' would be imported from {spec.origin}, which is not the offload_shim package (not run): "
+            "a module of that name comes first on sys.path; rename it or run from another folder"
+        )
+    return None
 
 
 def import_failure(exc: BaseException) -> str:

@@ -111,7 +111,7 @@ def _environment_rows(problems: list, notes: list) -> list:
 
     import offload_shim
     import offload_shim_boot
-    from offload_shim import _config
+    from offload_shim import _config, _devices
 
     accelerator = torch.accelerator.current_accelerator()
     available = torch.accelerator.is_available()
@@ -162,6 +162,13 @@ def _environment_rows(problems: list, notes: list) -> list:
         source = "default" if value == getattr(defaults, field.name) else "set"
         rows.append((f"  {field.name}", f"{value} ({source})"))
     notes += _config.inert_settings(settings, available)
+    problems += _config.unknown_variables()
+    device = settings.staging_device
+    if device is not None and device.type != "cpu" and not _devices._usable(device):
+        problems.append(
+            f"the configured staging device {str(device)!r} ({_config.ENV_STAGING_DEVICE}) is not usable from this "
+            f"process (accelerator {accelerator}, available: {available}, devices: {torch.accelerator.device_count()})"
+        )
     if settings.staging_device is None and not available:
         problems.append(
             "no device to stage through: no accelerator is available and OFFLOAD_SHIM_STAGING_DEVICE is unset "

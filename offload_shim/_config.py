@@ -144,7 +144,10 @@ def _parse_bytes(value, source: str, allow_off: bool = False) -> int | None:
         match = _SIZE.match(value) if isinstance(value, str) else None
         if match is None:
             off = " or 'off'" if allow_off else ""
-            raise ConfigError(f"{source}={value!r} is not a size: give bytes, e.g. 1048576 or '1MiB'{off}")
+            raise ConfigError(
+                f"{source}={value!r} is not a size: give bytes, e.g. 1048576, or a number with one of the units "
+                f"B, KiB, MiB, GiB (as spelled), e.g. '16MiB'{off}"
+            )
         number = int(match.group(1)) * _UNIT[match.group(2)]
     if number < (0 if allow_off else 1):
         raise ConfigError(f"{source}={value!r} must be {'at least 0' if allow_off else 'positive'}")
@@ -225,6 +228,23 @@ def configure(**changes) -> Settings:
         previous = _settings
         _settings = dataclasses.replace(previous, **changes)
     return previous
+
+
+def unknown_variables(environ=os.environ) -> list[str]:
+    """Sentences naming each variable of the environment that starts with ``OFFLOAD_SHIM`` but is none of
+    :data:`ENVIRONMENT` (a misspelt name is otherwise ignored without a word), with the nearest known name.
+    ``OFFLOAD_SHIM_TEST_*`` variables are the test suite's own, and not named."""
+    import difflib
+
+    unknown = sorted(
+        name for name in environ
+        if name.startswith(ENV_ENABLE) and name not in ENVIRONMENT and not name.startswith("OFFLOAD_SHIM_TEST_")
+    )
+    sentences = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, ENVIRONMENT, n=1)
+        sentences.append(f"{name} is not a variable of offload_shim and is ignored" + (f" (did you mean {near[0]}?)" if near else ""))
+    return sentences
 
 
 def inert_settings(current: Settings, accelerator_available: bool) -> list[str]:

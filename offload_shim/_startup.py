@@ -40,6 +40,14 @@ def activate_on_import() -> bool:
 
         return is_installed()
     _activated = True
+    try:
+        return _activate()
+    except _config.ConfigError:
+        _activated = False  # a later `import offload_shim` raises it again, rather than importing switched off
+        raise
+
+
+def _activate() -> bool:
     if sys.argv[:1] == ["-m"]:
         # `python -m offload_shim ...` imports the package before its __main__ runs (sys.argv[0] is "-m" while
         # Python locates the module): the command line reports a malformed variable itself, in one line, as the
@@ -56,14 +64,16 @@ def activate_on_import() -> bool:
         try:  # the settings still apply to a later install(); switched off, a bad one only warns
             _config.load_environment()
         except _config.ConfigError as exc:
-            warnings.warn(f"offload_shim: {exc}; default settings kept", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"offload_shim: {exc}; default settings kept", RuntimeWarning, stacklevel=4)
         return False
     _config.load_environment()
     _log_to_stderr(_config.log_level_from_environment())
     import torch
 
-    for message in _config.inert_settings(_config.settings(), torch.accelerator.is_available()):
-        warnings.warn(f"offload_shim: {message}", RuntimeWarning, stacklevel=3)
+    # Settings that would be ignored without a word: misspelt names, and those that cannot act here.
+    ignored = _config.unknown_variables() + _config.inert_settings(_config.settings(), torch.accelerator.is_available())
+    for message in ignored:
+        warnings.warn(f"offload_shim: {message}", RuntimeWarning, stacklevel=4)
     from offload_shim import install
 
     install()

@@ -63,9 +63,12 @@ def test_true_value_activates_at_import_torch():
             assert offload_shim.is_installed(), value
             offload_shim.uninstall()
         """,
-        env={"OFFLOAD_SHIM": "1", "OFFLOAD_SHIM_ALWAYS_STAGE": "1"},
+        env={"OFFLOAD_SHIM": "1", "OFFLOAD_SHIM_ALWAYS_STAGE": "1", "OFFLOAD_SHIM_STAGING_DEVCE": "cpu"},
     )
     assert last_line(out) == ALL_WRAPPED
+    # A misspelt name is not ignored without a word.
+    assert "offload_shim: OFFLOAD_SHIM_STAGING_DEVCE is not a variable of offload_shim and is ignored (did you mean " \
+           "OFFLOAD_SHIM_STAGING_DEVICE?)" in out.stderr, out.stderr
     # A setting that cannot act says so: with no accelerator, always-stage has nothing to stage through.
     inert = "offload_shim: OFFLOAD_SHIM_ALWAYS_STAGE (always_stage) has no effect on collectives here: there is no device"
     assert (inert in out.stderr) != torch_has_accelerator(), out.stderr
@@ -109,8 +112,14 @@ def test_malformed_values_rejected_by_import_offload_shim():
         SPELLINGS,
         """
         import warnings
-        cases = [{"OFFLOAD_SHIM": "2"}, {"OFFLOAD_SHIM_STAGING_DEVICE": "gpu:zero"},
-                 {"OFFLOAD_SHIM": "0", "OFFLOAD_SHIM_CHUNK_BYTES": "lots"}]
+        os.environ["OFFLOAD_SHIM"] = "2"
+        for attempt in range(2):  # raised again by a second import, not imported switched off
+            try:
+                import offload_shim
+            except Exception as exc:
+                print(type(exc).__name__, exc)
+        del os.environ["OFFLOAD_SHIM"]
+        cases = [{"OFFLOAD_SHIM_STAGING_DEVICE": "gpu:zero"}, {"OFFLOAD_SHIM": "0", "OFFLOAD_SHIM_CHUNK_BYTES": "lots"}]
         for variables in cases:
             os.environ.update(variables)
             try:
@@ -127,8 +136,8 @@ def test_malformed_values_rejected_by_import_offload_shim():
                 del os.environ[name]
         """,
     )
-    boolean, device, switched_off = out.stdout.strip().splitlines()[-3:]
-    assert boolean.startswith("ConfigError OFFLOAD_SHIM='2' is not a boolean: use one of"), boolean
+    boolean, again, device, switched_off = out.stdout.strip().splitlines()[-4:]
+    assert boolean.startswith("ConfigError OFFLOAD_SHIM='2' is not a boolean: use one of") and again == boolean, out.stdout
     assert device.startswith("ConfigError OFFLOAD_SHIM_STAGING_DEVICE='gpu:zero' is not a device"), device
     assert switched_off.startswith("installed False | offload_shim: OFFLOAD_SHIM_CHUNK_BYTES='lots' is not a size"), switched_off
 
@@ -273,7 +282,8 @@ def test_clone_folder_named_offload_shim_does_not_shadow(tmp_path, install):
                    "offload_shim", "doctor", "--backend", "gloo"]
         env, cwd = {"OFFLOAD_SHIM_STAGING_DEVICE": "cpu", "OFFLOAD_SHIM_ALWAYS_STAGE": "1", "OMP_NUM_THREADS": "1"}, tmp_path
     else:
-        command, env, cwd = [os.path.join(install, "bin", "offload-shim"), "doctor"], {}, tmp_path / "shadow"
+        command, cwd = [os.path.join(install, "bin", "offload-shim"), "doctor"], tmp_path / "shadow"
+        env = {"OFFLOAD_SHIM_STAGING_DEVICE": "cuda:7", "OFFLOAD_SHIM_ALWAYS_STAGED": "1"}  # no such device; a typo
         cwd.mkdir()
         (cwd / "offload_shim.py").write_text("")
     doctor = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=240, env=environment(env, site=install))
@@ -289,8 +299,10 @@ def test_clone_folder_named_offload_shim_does_not_shadow(tmp_path, install):
         assert f"a script here imports            {cwd / 'offload_shim.py'}\n" in doctor.stdout, doctor
         assert f"PROBLEM: a script or python -m run in {cwd} imports offload_shim from {cwd / 'offload_shim.py'}, " \
                f"not the installed package ({package})" in doctor.stdout, doctor
-        no_device = "PROBLEM: no device to stage through: no accelerator is available" in doctor.stdout
-        assert no_device != torch_has_accelerator(), doctor
+        assert "PROBLEM: OFFLOAD_SHIM_ALWAYS_STAGED is not a variable of offload_shim and is ignored (did you mean " \
+               "OFFLOAD_SHIM_ALWAYS_STAGE?)\n" in doctor.stdout, doctor
+        assert "PROBLEM: the configured staging device 'cuda:7' (OFFLOAD_SHIM_STAGING_DEVICE) is not usable from this " \
+               "process" in doctor.stdout, doctor
 
 
 def test_asked_for_but_not_installed_warns_once_with_cause_and_fix(tmp_path):
@@ -300,6 +312,8 @@ def test_asked_for_but_not_installed_warns_once_with_cause_and_fix(tmp_path):
     (tmp_path / "offload_shim").mkdir()  # a clone's folder: a namespace package where nothing else is found
     (tmp_path / "other" / "offload_shim").mkdir(parents=True)
     (tmp_path / "other" / "offload_shim" / "__init__.py").write_text("")  # someone else's package of that name
+    (tmp_path / "module").mkdir()
+    (tmp_path / "module" / "offload_shim.py").write_text("print('a module of the user ran')\n")
     out = python(
         f"""
         import sys, warnings, torch.distributed, offload_shim_boot
@@ -320,12 +334,19 @@ def test_asked_for_but_not_installed_warns_once_with_cause_and_fix(tmp_path):
             print(len(caught), *(str(w.message) for w in caught), sep=" | ")
         fresh({str(tmp_path)!r}); ask("OFFLOAD_SHIM='1'", "the drop-in")
         fresh({str(tmp_path / "other")!r}); ask("OFFLOAD_SHIM='1'")
+        fresh(); sys.path.insert(0, {str(tmp_path / "module")!r}); ask("OFFLOAD_SHIM='1'"); sys.path.pop(0)
         fresh(); sys.modules["wrapt"] = None; ask("OFFLOAD_SHIM='1'"); del sys.modules["wrapt"]
         fresh(); torch.distributed.is_available = lambda: False; ask("OFFLOAD_SHIM='1'")
         """,
         env={"OFFLOAD_SHIM": "1"},
     )
-    namespace, other, wrapt, distributed = out.stdout.strip().splitlines()[-4:]
+    namespace, other, module, wrapt, distributed = out.stdout.strip().splitlines()[-5:]
+    # someone's offload_shim.py is named, not run
+    assert module == f"1 | offload_shim is not enabled: 'offload_shim' would be imported from " \
+                     f"{tmp_path / 'module' / 'offload_shim.py'}, which is not the offload_shim package (not run): a " \
+                     "module of that name comes first on sys.path; rename it or run from another folder " \
+                     "[asked for by OFFLOAD_SHIM='1']", out.stdout
+    assert "a module of the user ran" not in out.stdout
     assert namespace.startswith(f"1 | offload_shim is not enabled: 'offload_shim' was imported as an empty namespace "
                                 f"package from {tmp_path / 'offload_shim'}: a folder of that name without __init__.py")
     assert namespace.endswith("reinstall the clone with pip install -e (since offload_shim 0.2.0 that puts it on "
