@@ -192,9 +192,7 @@ def staging_counters() -> Mapping[StagingKey, StagingCount]:
 
         Calls that need no staging are not counted. Counters are per process and count every thread's calls.
     """
-    with _lock:
-        items = [(key, tuple(value)) for key, value in sorted(_table.items())]
-    return types.MappingProxyType({StagingKey(*key): StagingCount(*value) for key, value in items})
+    return _snapshot(clear=False)
 
 
 def reset_staging_counters() -> Mapping[StagingKey, StagingCount]:
@@ -204,9 +202,15 @@ def reset_staging_counters() -> Mapping[StagingKey, StagingCount]:
         The counters as they were just before, as :func:`staging_counters` gives them: no call is lost between
         reading and resetting (counters per training step: call this once a step).
     """
+    return _snapshot(clear=True)
+
+
+def _snapshot(clear: bool) -> Mapping[StagingKey, StagingCount]:
+    """The counters as a read-only mapping sorted by key, taken (and, with ``clear``, emptied) under the lock."""
     with _lock:
         items = [(key, tuple(value)) for key, value in sorted(_table.items())]
-        _table.clear()
+        if clear:
+            _table.clear()
     return types.MappingProxyType({StagingKey(*key): StagingCount(*value) for key, value in items})
 
 
