@@ -34,9 +34,8 @@ PROBE = "import os, sys, torch, wrapt; print(os.environ['OFFLOAD_SHIM'], isinsta
 
 
 def test_run_sets_offload_shim_and_activates_at_import_torch():
-    for args in (("run", sys.executable, "-c", PROBE), ("run", "--", sys.executable, "-c", PROBE)):
-        out = cli(*args)
-        assert out.returncode == 0 and out.stdout.strip() == "1 True", out
+    out = cli("run", sys.executable, "-c", PROBE)  # (`run -- CMD`: test_run_errors)
+    assert out.returncode == 0 and out.stdout.strip() == "1 True", out
 
 
 def test_run_needs_no_valid_environment_of_its_own():
@@ -69,6 +68,8 @@ def test_info_reports_a_malformed_setting_as_a_message(command, variable, value,
 
 def test_run_errors():
     assert cli("run").returncode == 2
+    dashes = cli("run", "--")  # `--` is taken off, not run as a program
+    assert dashes.returncode == 2 and dashes.stderr.startswith("offload-shim run: give a command"), dashes
     missing = cli("run", "no-such-command-offload-shim")
     assert missing.returncode == 127 and "cannot run 'no-such-command-offload-shim'" in missing.stderr
     assert cli().returncode == 2
