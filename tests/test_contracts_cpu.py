@@ -12,7 +12,7 @@ from ranks import RankPool
 
 # Per test (a 3-rank case costs about twice a 2-rank one); the run reports the total. Sized for CI's 3 minutes on
 # two cores; the GPU run draws 2,000 (tests/test_gpu_contracts.py).
-EXAMPLES = {2: 600, 3: 100}
+EXAMPLES = {2: 450, 3: 70}
 
 
 @pytest.fixture(scope="module")
