@@ -212,6 +212,12 @@ def _call(spec: _Spec, parameters, wrapped, instance, args, kwargs):
             names.append((name, entry))
     if not staged:
         return wrapped(*args, **kwargs)
+    for entry in staged.values():
+        # The shim writes the results in place: refused where autograd refuses an in-place write (a leaf that
+        # requires grad, an inference tensor outside inference mode), before anything is copied.
+        error = _staging.inplace_refusal(entry.caller) if entry.write else None
+        if error is not None:
+            raise error
     if device.type != "cpu" and not _devices._usable(device):
         name, entry = names[0]
         raise _devices.StagingError(
@@ -268,7 +274,9 @@ def _copy_back(entries: list[_Staged], device: torch.device) -> None:
     with torch.no_grad():
         for entry in entries:
             with _staging.writable(entry.caller):
-                entry.caller.data.copy_(entry.copy, non_blocking=_staging._is_pinned(entry.caller))
+                _staging.bits(entry.caller.data).copy_(
+                    _staging.bits(entry.copy), non_blocking=_staging._is_pinned(entry.caller)
+                )
     # A copy runs on the source's current stream; one into a strided tensor of another GPU ends on that GPU's.
     for each in {device, *(e.caller.device for e in entries)}:
         _staging._finish_on(each)

@@ -231,7 +231,8 @@ def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) 
 
     A call whose other tensors are on an accelerator the group serves (``all_gather_into_tensor`` of a CPU input
     into a GPU output) stages its CPU tensors through that tensor's device, where torch runs the call; otherwise
-    the choice is :func:`staging_device_for`'s. Sparse tensors are left to torch.
+    the choice is :func:`staging_device_for`'s. Sparse tensors, and calls with a tensor on a device the group does
+    not serve (``meta``), are left to torch.
 
     Raises:
         StagingError: as :func:`staging_device_for`.
@@ -252,6 +253,10 @@ def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) 
     for t in tensors:
         if t.is_cpu and not _staging.needs_staging(t):
             return _unstaged_layout(t, group, collective, served)
+        if not t.is_cpu and t.device.type not in served:
+            # On a device the group does not serve (``meta``, which holds no data): torch decides, as without the
+            # shim (for ``meta`` it writes nothing), rather than a staged output filled from memory never written.
+            return None
     for t in tensors:
         if t.device.type != "cpu" and t.device.type in served:
             if "cpu" not in served or backend_for(group, "cpu") != backend_for(group, t.device.type):

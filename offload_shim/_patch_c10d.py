@@ -4,10 +4,11 @@ In place on one tensor, elementwise (this module's :data:`TARGETS`): ``all_reduc
 ``broadcast(tensor, src, group, async_op, group_src)`` and ``reduce(tensor, dst, op, group, async_op,
 group_dst)``. When ``tensor`` is on the CPU and the group serves no CPU backend (or routes it, see ``_devices``),
 the tensor is staged, the original collective runs on the staged copy with the caller's other arguments, and the
-result is written back into the caller's own tensor object. Tensors of at least two chunks, whatever their
-strides, go through the chunked pipeline (``_pipeline``): their size is the same on every rank (torch requires it,
-and the pipeline checks it), so every rank splits them alike. Smaller ones are staged whole, which costs less for
-a single chunk (measured: results/gpu/bench.log). ``reduce`` writes back on ``dst`` only: the other ranks' tensors stay as they
+result is written back into the caller's own tensor object. Synchronous calls on tensors of at least two chunks,
+whatever their strides, go through the chunked pipeline (``_pipeline``): their size is the same on every rank
+(torch requires it, and the pipeline checks it), so every rank splits them alike. Smaller ones, and every
+``async_op=True`` call, are staged whole: a single chunk costs less so (measured: results/gpu/bench.log), and an
+asynchronous call must not wait for its peers, as the pipeline's agreement check does. ``reduce`` writes back on ``dst`` only: the other ranks' tensors stay as they
 were, as NCCL leaves them (Gloo's own CPU path uses them as scratch).
 
 Every other tensor collective (gathers, scatters, all-to-all, point-to-point: ``_patch_c10d_lists``,
@@ -23,7 +24,7 @@ With ``async_op=True`` (and for ``isend``/``irecv``) the returned work handle fi
 from __future__ import annotations
 
 import logging
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -39,6 +40,21 @@ _log = logging.getLogger("offload_shim")
 # What a staged tensor parameter is to the call: read (copied to the staging device), written (copied back into
 # the caller's tensor), or both.
 READ, WRITE, READ_WRITE = "read", "write", "read-write"
+
+
+def _contiguous_only(error: type, message: str):
+    def refusal(tensor: torch.Tensor) -> Exception | None:
+        return None if tensor.is_contiguous() else error(message)
+
+    return refusal
+
+
+# What torch refuses of a parameter's tensors on the CPU (where the group serves it, Gloo), refused the same way
+# by the staged call before anything is copied: staged, the tensors are contiguous copies, written through
+# ``.data``, and nothing would refuse. Measured with torch 2.13 on Gloo; the message is torch's own.
+AUTOGRAD_WRITTEN = _staging.inplace_refusal  # results written by an in-place copy that autograd checks
+CONTIGUOUS = _contiguous_only(ValueError, "Tensors must be contiguous")  # Gloo's and NCCL's all-to-all
+CONTIGUOUS_P2P = _contiguous_only(RuntimeError, "input tensor has to be contiguous")  # Gloo's send and recv
 
 
 def _is_rank(parameters, args, kwargs, group, name: str) -> bool | None:
@@ -89,10 +105,14 @@ def _in_place_wrapper(collective: str):
                 return wrapped(*args, **kwargs)
             async_op = bool(parameters.get(args, kwargs, "async_op", False))
             reads, writes = _roles(collective, parameters, args, kwargs, group) if has_roles else (True, True)
-            # Chosen from what every rank shares (the size, the settings), so that every rank splits it alike.
-            if nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * _config.settings().chunk_bytes:
+            # Chosen from what every rank shares (the size, the settings, async_op), so that every rank splits it
+            # alike. Asynchronous calls are staged whole: one collective, launched without waiting for any peer
+            # (a pipeline waits for its ranks' agreement before its first chunk), as torch's own call.
+            if async_op:
+                mode = _counters.WHOLE
+            elif nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * _config.settings().chunk_bytes:
                 mode = _counters.PIPELINED
-            elif not async_op and nbytes <= _staging.SMALL_CALL_BYTES:
+            elif nbytes <= _staging.SMALL_CALL_BYTES:
                 mode = _counters.SMALL
             else:
                 mode = _counters.WHOLE
@@ -103,10 +123,7 @@ def _in_place_wrapper(collective: str):
                         chunk_args, chunk_kwargs = parameters.replace(chunk_args, chunk_kwargs, "async_op", True)
                         return wrapped(*chunk_args, **chunk_kwargs)
 
-                    return _pipeline.stage_in_place(
-                        tensor, device, group, launch, name,
-                        reads=reads, writes=writes, async_op=async_op,
-                    )
+                    return _pipeline.stage_in_place(tensor, device, group, launch, name, reads=reads, writes=writes)
                 if mode is _counters.SMALL:
                     def run(staged):
                         call_args, call_kwargs = parameters.replace(args, kwargs, "tensor", staged)
@@ -127,10 +144,12 @@ def _in_place_wrapper(collective: str):
     return make
 
 
-def staged_arguments_wrapper(collective: str, roles: Mapping[str, str]):
+def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals: Mapping[str, Callable] = {}):
     """A wrapper factory for a ``torch.distributed`` call whose tensor parameters are ``roles`` (parameter name to
     :data:`READ`, :data:`WRITE` or :data:`READ_WRITE`; a parameter may hold a tensor, a list of tensors, nested
-    lists, or ``None``).
+    lists, or ``None``), and ``refusals`` what torch refuses of them (parameter name to a function of one of its
+    tensors returning the exception torch raises for it, or ``None``: :data:`AUTOGRAD_WRITTEN`,
+    :data:`CONTIGUOUS`, :data:`CONTIGUOUS_P2P`), raised before anything is staged.
 
     Host tensors among them that the call's group cannot serve (``_devices.staging_device_for_call``) are staged
     whole; tensors already on a device the group serves are passed as they are, so a call with inputs and outputs
@@ -160,6 +179,11 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str]):
             device = _devices.staging_device_for_call(tensors, group, name)
             if device is None:
                 return wrapped(*args, **kwargs)
+            for param, refusal in refusals.items():
+                for tensor in _tensors([values[param]]):
+                    error = refusal(tensor)
+                    if error is not None:
+                        raise error
             nbytes = _counters.host_bytes(tensors)
             try:
                 staged = _staging.StagedArguments(device)

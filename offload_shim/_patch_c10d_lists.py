@@ -11,7 +11,16 @@ functions the running torch has are wrapped.
 
 from __future__ import annotations
 
-from offload_shim._patch_c10d import ALIASES, MODULE, READ, READ_WRITE, WRITE, staged_arguments_wrapper
+from offload_shim._patch_c10d import (
+    ALIASES,
+    AUTOGRAD_WRITTEN,
+    CONTIGUOUS,
+    MODULE,
+    READ,
+    READ_WRITE,
+    WRITE,
+    staged_arguments_wrapper,
+)
 from offload_shim._patching import Target
 
 COLLECTIVES = {
@@ -28,7 +37,24 @@ COLLECTIVES = {
     "gather": {"tensor": READ, "gather_list": WRITE},
     "scatter": {"tensor": WRITE, "scatter_list": READ},
 }
+# What torch refuses of these calls' tensors (see _patch_c10d): the outputs its CPU backend writes with copies
+# that autograd checks, and the inputs it takes contiguous only. all_reduce, broadcast, reduce, scatter and
+# all_to_all_single write their outputs in place, unchecked, and take any strides.
+REFUSALS = {
+    "all_gather": {"tensor_list": AUTOGRAD_WRITTEN},
+    "all_gather_into_tensor": {"output_tensor": AUTOGRAD_WRITTEN},
+    "all_gather_single": {"output_tensor": AUTOGRAD_WRITTEN},
+    "all_gather_coalesced": {"output_tensor_lists": AUTOGRAD_WRITTEN},
+    "reduce_scatter": {"output": AUTOGRAD_WRITTEN},
+    "reduce_scatter_tensor": {"output": AUTOGRAD_WRITTEN},
+    "reduce_scatter_single": {"output": AUTOGRAD_WRITTEN},
+    "all_reduce_coalesced": {"tensors": AUTOGRAD_WRITTEN},
+    "all_to_all": {"output_tensor_list": AUTOGRAD_WRITTEN},
+    "all_to_all_single": {"input": CONTIGUOUS},
+    "gather": {"gather_list": AUTOGRAD_WRITTEN},
+}
 
 TARGETS = [
-    Target(MODULE, name, staged_arguments_wrapper(name, roles), aliases=ALIASES) for name, roles in COLLECTIVES.items()
+    Target(MODULE, name, staged_arguments_wrapper(name, roles, REFUSALS.get(name, {})), aliases=ALIASES)
+    for name, roles in COLLECTIVES.items()
 ]

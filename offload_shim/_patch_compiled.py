@@ -31,6 +31,12 @@ raise :class:`offload_shim.StagingError` instead of torch's bare error.
 
 Which ops exist is read from the running torch (``torch._C._dispatch_get_all_op_names()``); an op that already
 has a ``CPU`` kernel of its own is left alone.
+
+The eager wrappers themselves are kept out of Dynamo (:func:`_keep_out_of_dynamo`): where compiled code calls a
+collective Dynamo does not put in its graph (``broadcast``, ``scatter``, ``send``, any ``async_op=True`` call), it
+breaks the graph and runs the call as Python, and would then compile the wrapper as a frame of its own, which it
+cannot trace (the decision reads ``ProcessGroup._device_types``). Registered with Dynamo's skip rules, the shim's
+frames run as plain Python there, as torch's own ``torch.distributed`` functions do.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+import wrapt
 
 from offload_shim import _counters, _devices, _staging
 
@@ -55,11 +62,14 @@ _libraries: list = globals().get("_libraries", [])  # the torch.library.Library 
 
 
 def install() -> None:
-    """Register the ``CPU`` kernels (see the module docstring). Installing twice changes nothing; does nothing
-    where ``torch.distributed`` is unavailable."""
+    """Register the ``CPU`` kernels (see the module docstring), and keep the shim's own code out of Dynamo from
+    when it is imported (:func:`_keep_out_of_dynamo`). Installing twice changes nothing; does nothing where
+    ``torch.distributed`` is unavailable."""
     with _lock:
         if _libraries or not dist.is_available():
             return
+        # When Dynamo is first imported, not now: importing it costs about a second, and most programs never compile.
+        wrapt.register_post_import_hook(_keep_out_of_dynamo, "torch._dynamo.trace_rules")
         libraries = {namespace: torch.library.Library(namespace, "IMPL") for namespace in NAMESPACES}
         try:
             for op in _collective_ops():
@@ -74,6 +84,22 @@ def install() -> None:
                 library._destroy()  # nothing half-installed
             raise
         _libraries.extend(libraries.values())
+
+
+def _keep_out_of_dynamo(trace_rules) -> None:
+    """Add the ``offload_shim`` package to Dynamo's skip rules (``torch._dynamo.trace_rules.add``, the list torch's
+    own modules are on), so that Dynamo never compiles a frame of the shim's: run eagerly from a graph break, the
+    wrappers decide and stage as Python. Nothing Dynamo traces changes: it never inlines a wrapper, whose
+    ``__code__`` is the wrapped function's. Once per process (a post-import hook runs once); the rule outlives
+    :func:`uninstall`, and costs nothing there: the wrappers then pass calls straight through."""
+    add = getattr(trace_rules, "add", None)
+    if add is None:
+        _log.warning(
+            "offload_shim: this torch's Dynamo has no trace_rules.add; compiled code that graph-breaks on a wrapped "
+            "collective may fail to compile the wrapper"
+        )
+        return
+    add(__name__.rpartition(".")[0])
 
 
 def uninstall() -> None:

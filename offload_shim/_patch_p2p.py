@@ -7,15 +7,21 @@ receiver receives into fresh accelerator memory and copies the result into its o
 sender may talk to a GPU receiver. ``isend``, ``irecv`` and ``batch_isend_irecv`` return work handles that finish
 the copy back in ``wait()``. Where the backend returns one work per operation (Gloo), each handle finishes its own
 receive; where it returns one for the batch (NCCL), that one handle waits the batch and copies every receive back.
+
+A ``P2POp`` keeps torch's own ``isend`` or ``irecv``, even when given the shim's wrapper of it: torch's
+``batch_isend_irecv`` tells a send from a receive by identity with its module's ``isend``, so an operation holding a
+wrapper would be taken for a receive once :func:`offload_shim.uninstall` has bound torch's function back.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
+import functools
+
 from offload_shim import _counters, _devices, _staging
-from offload_shim._patch_c10d import ALIASES, MODULE, READ, WRITE, staged_arguments_wrapper
-from offload_shim._patching import Target
+from offload_shim._patch_c10d import ALIASES, CONTIGUOUS_P2P, MODULE, READ, WRITE, staged_arguments_wrapper
+from offload_shim._patching import Parameters, Target, unwrap_ours
 
 POINT_TO_POINT = {"send": READ, "isend": READ, "recv": WRITE, "irecv": WRITE}
 BATCH = "torch.distributed.batch_isend_irecv"
@@ -34,6 +40,10 @@ def _batch_wrapper(original):
             device = _devices.staging_device_for_call(tensors, group, BATCH)
         if device is None:
             return wrapped(operations)
+        for tensor in tensors:
+            error = CONTIGUOUS_P2P(tensor)
+            if error is not None:
+                raise error
         nbytes = _counters.host_bytes(tensors)
         try:
             return _staged_batch(wrapped, operations, device)
@@ -98,10 +108,23 @@ def _chain(function) -> list:
     return chain
 
 
+def _p2p_op_init_wrapper(original):
+    """``P2POp(op, ...)`` with ``op`` stripped of the shim's wrappers (see the module docstring)."""
+    parameters = Parameters(functools.partial(original, None))  # wrapt passes the instance apart from args
+
+    def wrapper(wrapped, instance, args, kwargs):
+        op = parameters.get(args, kwargs, "op")
+        args, kwargs = parameters.replace(args, kwargs, "op", unwrap_ours(op))
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
 TARGETS = [
     *(
-        Target(MODULE, name, staged_arguments_wrapper(name, {"tensor": role}), aliases=ALIASES)
+        Target(MODULE, name, staged_arguments_wrapper(name, {"tensor": role}, {"tensor": CONTIGUOUS_P2P}), aliases=ALIASES)
         for name, role in POINT_TO_POINT.items()
     ),
     Target(MODULE, "batch_isend_irecv", _batch_wrapper, aliases=ALIASES),
+    Target(MODULE, "__init__", _p2p_op_init_wrapper, owner="P2POp"),
 ]

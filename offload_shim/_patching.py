@@ -110,7 +110,7 @@ def _is_ours(value) -> bool:
     return ref is not None and ref() is value
 
 
-def _unwrap_ours(value):
+def unwrap_ours(value):
     """``value`` without the shim's own (removed, pass-through) wrappers around it."""
     while _is_ours(value):
         value = value.__wrapped__
@@ -122,15 +122,15 @@ def _apply(target: Target) -> None:
     if key in _applied:
         return
     home = _owner_object(target)
-    reference = _unwrap_ours(vars(home).get(target.name))
+    reference = unwrap_ours(vars(home).get(target.name))
     if reference is None:
         _log.debug("offload_shim: %s.%s not present in this torch; not wrapped", target.module, target.name)
         return
     sites = [home] + [sys.modules[alias] for alias in target.aliases if alias in sys.modules]
-    reference = _named_parameters(reference, [_unwrap_ours(vars(site).get(target.name)) for site in sites], target)
+    reference = _named_parameters(reference, [unwrap_ours(vars(site).get(target.name)) for site in sites], target)
     bindings: list[_Binding] = []
     for site in sites:
-        value = _unwrap_ours(vars(site).get(target.name))
+        value = unwrap_ours(vars(site).get(target.name))
         if value is None or any(b.original is value for b in bindings):
             continue
         live = [True]

@@ -18,9 +18,8 @@ Host memory: a pinned caller tensor is copied to and from directly. A pageable o
 copies split over :func:`copy_threads` threads (one thread copies at a fraction of what the host's memory
 allows), overlapped with the other chunks' DMA; ``"driver"`` hands the pageable chunk to the runtime's own
 (synchronous) staged copy. A ``broadcast`` copies only what it needs: the source rank's chunks go H2D only, the
-other ranks' D2H only. An asynchronous call, and a non-contiguous tensor, go through a private pinned host buffer
-that holds their result until the work handle is finished: an asynchronous call on pageable memory returns once
-its input is copied there and every chunk is queued, before the DMA, the collectives and the copy back are done.
+other ranks' D2H only. A non-contiguous tensor goes through a contiguous pinned host copy. Only synchronous
+calls are pipelined: an asynchronous one must not wait for its peers, as the agreement check does.
 
 Staging through ``cpu`` (the testing configuration) runs the same loop with plain host copies and no streams.
 """
@@ -118,7 +117,7 @@ if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"
 def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
     # Grad mode and inference mode are per thread: set here as in the calling thread.
     with torch.no_grad(), _staging.writable(destination):
-        destination.copy_(source)
+        _staging.bits(destination).copy_(_staging.bits(source))
 
 
 class _NoStream:
@@ -300,16 +299,13 @@ def stage_in_place(
     *,
     reads: bool = True,
     writes: bool = True,
-    async_op: bool = False,
-):
-    """Run an elementwise in-place collective on host ``tensor`` (any strides, at least one element; the same
-    number of elements and dtype on every rank) staged through ``device`` in chunks, in its logical (row-major)
-    element order.
+) -> None:
+    """Run a synchronous elementwise in-place collective on host ``tensor`` (any strides, at least one element; the
+    same number of elements and dtype on every rank) staged through ``device`` in chunks, in its logical
+    (row-major) element order. Asynchronous calls do not come here: they are staged whole (``_patch_c10d``).
 
     Every rank first checks that the others run the same collective on as many elements of the same dtype, in
-    chunks of the same size (:func:`_agree`). A non-contiguous tensor goes through a contiguous host copy. With
-    ``async_op`` the results go to a private host buffer and reach ``tensor`` when the work handle is finished, so
-    ``tensor`` holds what it held until then.
+    chunks of the same size (:func:`_agree`). A non-contiguous tensor goes through a contiguous host copy.
 
     Args:
         group: the collective's process group.
@@ -317,76 +313,51 @@ def stage_in_place(
         collective: the collective's name, for the ranks' agreement check and its error.
         reads: whether the collective reads this rank's data (not on a broadcast's receiving ranks).
         writes: whether it writes this rank's data (not on a broadcast's source rank).
-        async_op: return a :class:`~offload_shim._staging.StagedWork` instead of waiting.
 
     Returns:
-        ``None`` once ``tensor`` holds the result, or the work handle.
+        ``None``, once ``tensor`` holds the result.
 
     Raises:
         StagingError: the ranks disagree (see above), on every rank; the caller's tensor is unchanged.
-        Exception: what the collective raises; at the call, or for ``async_op`` in the handle's ``wait()`` if
-            torch raises it there. The caller's tensor is unchanged, except after a failure of a chunk's collective
-            in a synchronous call once earlier chunks were written back.
+        Exception: what the collective raises. The caller's tensor is unchanged, except after a failure of a later
+            chunk's collective, once earlier chunks were written back.
     """
     _staging.finish_writes_to([tensor])
     chunk_bytes = _config.settings().chunk_bytes
     contiguous = tensor.is_contiguous()
-    # Written through .data, without bumping the caller's version counter, as torch's C++ writes.
-    flat = tensor.data.view(-1) if contiguous else None
-    private = None  # pinned host memory holding the result until the call is finished
-    if not contiguous:
-        source = private = _host_empty(tensor.numel(), tensor.dtype, device)
+    if contiguous:
+        source = tensor.data.view(-1)  # written through .data, as torch's C++ writes: no version counter bump
+    else:  # through a contiguous pinned host copy, written back at the end
+        source = _host_empty(tensor.numel(), tensor.dtype, device)
         with torch.no_grad():
-            source.view(tensor.shape).copy_(tensor)
-    elif writes and async_op:
-        private = _host_empty(tensor.numel(), tensor.dtype, device)
-        source = flat if _staging._is_pinned(flat) or not reads else private  # a pageable input is copied there
-    else:
-        source = flat
-    target = flat if private is None else private
+            _staging.bits(source.view(tensor.shape)).copy_(_staging.bits(tensor))
     pool = _acquire(device, chunk_bytes)
     try:
-        works, error, done = _run_chunks(
-            pool, flat if source is private and contiguous else source, source, target, launch, group, collective,
-            reads=reads, writes=writes, async_op=async_op,
-        )
+        done = _run_chunks(pool, source, launch, group, collective, reads=reads, writes=writes)
     finally:
         _give_back(pool)
-
-    def finish() -> None:
-        done.synchronize()
-        if private is not None and writes:  # a call that only reads leaves the caller's tensor as it is
-            if contiguous:
-                _host_copies([(flat, private)])
-            else:
-                with torch.no_grad(), _staging.writable(tensor):
-                    tensor.data.copy_(private.view(tensor.shape))
-
-    if not async_op:
-        finish()
-        return None
-    return _staging.StagedWork(works, finish, [tensor], done, writes_to=[tensor] if writes else [], error=error)
+    done.synchronize()
+    if not contiguous and writes:  # a call that only reads leaves the caller's tensor as it is
+        with torch.no_grad(), _staging.writable(tensor):
+            _staging.bits(tensor.data).copy_(_staging.bits(source.view(tensor.shape)))
 
 
-def _run_chunks(pool, data, source, target, launch, group, collective, *, reads, writes, async_op):
-    """Queue the chunks through ``pool``: the input chunk of ``data`` copied into ``source`` where they differ
-    (a pageable input into a private pinned buffer), H2D from ``source``, the collective, D2H into ``target`` (a
-    flat host tensor: the caller's, or a private buffer). Pageable memory on either side goes through the pool's
-    pinned bounce buffers (:data:`PAGEABLE_PATH` ``"bounce"``), host copies on the copy threads. Returns
-    ``(works, error, done)``: ``error`` is the exception a chunk's ``wait()`` raised in an asynchronous call (no
-    further chunk is launched; a synchronous call raises it), ``done`` an event completed once every D2H copy has
-    (and every host copy out of a bounce buffer has finished when this returns)."""
+def _run_chunks(pool, source, launch, group, collective, *, reads, writes):
+    """Queue the chunks of ``source`` (a flat host tensor) through ``pool``: H2D, the collective, D2H back into
+    ``source``. Pageable memory goes through the pool's pinned bounce buffers (:data:`PAGEABLE_PATH` ``"bounce"``),
+    host copies on the copy threads. Returns an event completed once every D2H copy has (every host copy out of a
+    bounce buffer has finished when this returns)."""
     device = pool.device
     itemsize = source.element_size()
     per_chunk = max(1, pool.chunk_bytes // itemsize)
-    bounce_in = PAGEABLE_PATH == "bounce" and reads and source is data and not _staging._is_pinned(source)
-    target_pinned = _staging._is_pinned(target)
-    bounce_out = PAGEABLE_PATH == "bounce" and writes and not target_pinned
-    works, pending, error = [], collections.deque(), None
+    pinned = _staging._is_pinned(source)
+    bounce_in = PAGEABLE_PATH == "bounce" and reads and not pinned
+    bounce_out = PAGEABLE_PATH == "bounce" and writes and not pinned
+    pending = collections.deque()
 
     # Outside autograd, like the in-place collective it completes (the caller's tensor may require grad); an
     # inference tensor is written in inference mode, as torch's C++ collectives write it.
-    with _staging.staged_call(), torch.no_grad(), _staging.writable(target):
+    with _staging.staged_call(), torch.no_grad(), _staging.writable(source):
         pool.h2d.wait_stream(_current_stream(device))
         for index, start in enumerate(range(0, source.numel(), per_chunk)):
             s = index % len(pool.slots)
@@ -396,54 +367,34 @@ def _run_chunks(pool, data, source, target, launch, group, collective, *, reads,
                 pool.h2d.wait_event(pool.slot_free[s])
             if reads:
                 staged = host_chunk
-                if source is not data:  # a pageable input, copied into the private buffer chunk by chunk
-                    _host_copies([(host_chunk, data[start : start + per_chunk])])
-                elif bounce_in:
+                if bounce_in:
                     if pool.host_in_free[s] is not None:
                         pool.host_in_free[s].synchronize()
                     staged = pool.host("in", s)[: slot.numel() * itemsize].view(source.dtype)
                     _host_copies([(staged, host_chunk)])
                 with _current(pool.h2d):
-                    slot.copy_(staged, non_blocking=True)
+                    _staging.bits(slot).copy_(_staging.bits(staged), non_blocking=True)
                 if bounce_in:
                     pool.host_in_free[s] = pool.h2d.record_event()
             if index == 0:  # behind the first chunk's H2D
-                try:
-                    _agree(group, device, collective, source.numel(), source.dtype, pool.chunk_bytes)
-                except StagingError:
-                    raise
-                except Exception as exc:  # the backend failed (a peer gone, a timeout): as in a chunk's wait()
-                    if not async_op:
-                        raise
-                    error = exc
-                    break
+                _agree(group, device, collective, source.numel(), source.dtype, pool.chunk_bytes)
             with _current(pool.h2d):
-                works.append(launch(slot))
-            try:
-                with _current(pool.d2h):
-                    works[-1].wait()  # the D2H stream waits on the collective (Gloo: the collective has finished)
-            except Exception as exc:  # raised where torch raises it: at the call, or in the handle's wait()
-                if not async_op:
-                    raise
-                error = exc
-                break
+                work = launch(slot)
+            with _current(pool.d2h):
+                work.wait()  # the D2H stream waits on the collective (Gloo: the collective has finished)
             if writes:
-                destination = target[start : start + per_chunk]
-                if bounce_out:
-                    landing = pool.host("out", s)[: slot.numel() * itemsize].view(source.dtype)
-                else:
-                    landing = destination
+                landing = pool.host("out", s)[: slot.numel() * itemsize].view(source.dtype) if bounce_out else host_chunk
                 with _current(pool.d2h):
-                    landing.copy_(slot, non_blocking=target_pinned or bounce_out)
+                    _staging.bits(landing).copy_(_staging.bits(slot), non_blocking=pinned or bounce_out)
                 if bounce_out:
-                    pending.append((pool.d2h.record_event(), landing, destination))
+                    pending.append((pool.d2h.record_event(), landing, host_chunk))
             pool.slot_free[s] = pool.d2h.record_event()
             while len(pending) > 1:  # the newest chunk's copy is still in flight; copy out the older one
                 _copy_out(pending.popleft())
         done = pool.d2h.record_event()
         while pending:
             _copy_out(pending.popleft())
-    return works, error, done
+    return done
 
 
 def _copy_out(entry) -> None:

@@ -218,7 +218,9 @@ def _run_steps(pool, local: torch.Tensor, result: torch.Tensor, plan: Plan) -> N
         count = min(k, max(0, mine - j * k))
         if count:
             with _current(pool.h2d):
-                _rows(parts[plan.index], count, plan).copy_(local[j * k : j * k + count], non_blocking=True)
+                _staging.bits(_rows(parts[plan.index], count, plan)).copy_(
+                    _staging.bits(local[j * k : j * k + count]), non_blocking=True
+                )
         if j == 0:  # behind the first step's H2D
             _agree(
                 plan.group, device, COLLECTIVE if plan.laid_out else _MISLAID, plan.shape.numel(), plan.dtype,
@@ -238,6 +240,8 @@ def _run_steps(pool, local: torch.Tensor, result: torch.Tensor, plan: Plan) -> N
                 count = min(k, max(0, rows - j * k))
                 if count:
                     first = start + j * k
-                    result[first : first + count].copy_(_rows(parts[r], count, plan), non_blocking=pinned)
+                    _staging.bits(result[first : first + count]).copy_(
+                        _staging.bits(_rows(parts[r], count, plan)), non_blocking=pinned
+                    )
         pool.slot_free[s] = pool.d2h.record_event()
     pool.d2h.synchronize()

@@ -65,6 +65,13 @@ def _finish_on(device: torch.device) -> None:
         torch.accelerator.current_stream(device).synchronize()
 
 
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or for a bool tensor its bytes (a ``uint8`` view): a host copy between bool tensors stores
+    1 for any nonzero byte, where a collective leaves what the backend computed (2 in a two-rank bool SUM, for
+    Gloo and NCCL alike). Every staging copy goes through this, so staged results are the backend's bytes."""
+    return tensor.view(torch.uint8) if tensor.dtype is torch.bool else tensor
+
+
 def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A contiguous copy of host ``tensor`` on ``device`` (same shape and dtype, new storage): backends such as
     NCCL take contiguous tensors only, whatever the caller's strides, and the functional collectives check for
@@ -77,6 +84,8 @@ def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     any outstanding staged call that writes it has written it (:func:`finish_writes_to`).
     """
     finish_writes_to([tensor])
+    if tensor.dtype is torch.bool:
+        return to_staging(bits(tensor), device).view(torch.bool)
     if device.type == "cpu":
         return tensor.clone(memory_format=torch.contiguous_format)
     # Pinned: an asynchronous DMA. Pageable: the runtime's own staged copy, measured faster than a copy into
@@ -87,6 +96,8 @@ def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_caller(staged: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A new tensor on the caller's ``device`` holding ``staged``, complete when this returns (pinned when
     it comes from an accelerator). Differentiable."""
+    if staged.dtype is torch.bool:
+        return to_caller(bits(staged), device).view(torch.bool)
     if staged.device.type == "cpu":
         return staged if device.type == "cpu" else staged.to(device)
     out = staged.to(device, non_blocking=True)
@@ -99,6 +110,26 @@ def writable(destination: torch.Tensor):
     ``torch.inference_mode()``, as rollouts and eval metrics are) takes writes only inside inference mode, which
     torch's own collectives bypass in C++."""
     return torch.inference_mode() if destination.is_inference() else contextlib.nullcontext()
+
+
+def inplace_refusal(tensor: torch.Tensor) -> Exception | None:
+    """The error autograd raises for an in-place write into ``tensor`` in the calling thread's modes, or ``None``
+    where it allows one: a leaf that requires grad (or a view of one) in grad mode, an inference tensor outside
+    inference mode. It is torch's own exception, raised by the same write into an empty tensor of the same kind,
+    where a backend that writes results with an autograd-visible copy (Gloo's gathers) raises it too."""
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            probe = torch.empty(0)
+    elif tensor.requires_grad and torch.is_grad_enabled() and (tensor.is_leaf or tensor._is_view() and tensor._base.is_leaf):
+        probe = torch.empty(1, requires_grad=True)
+        probe = probe if tensor.is_leaf else probe[:0]
+    else:
+        return None
+    try:
+        probe.zero_()
+    except RuntimeError as error:
+        return error
+    return None
 
 
 # Synchronous in-place calls of at most this many bytes take stage_small_in_place: this thread's reused slot.
@@ -183,7 +214,7 @@ def stage_small_in_place(tensor: torch.Tensor, device: torch.device, run: Callab
     staged = slot.view(tensor)
     source = tensor.detach() if tensor.requires_grad else tensor  # no graph: a collective is outside autograd
     if reads:
-        staged.copy_(source, non_blocking=writes)  # blocking where nothing waits for the device after it
+        bits(staged).copy_(bits(source), non_blocking=writes)  # blocking where nothing waits for the device after it
     depth = _calls.depth  # as staged_call(), without its object: this path is for calls of a few bytes
     _calls.depth = depth + 1
     try:
@@ -196,9 +227,9 @@ def stage_small_in_place(tensor: torch.Tensor, device: torch.device, run: Callab
     if writes:
         if tensor.is_inference():
             with torch.inference_mode():
-                tensor.data.copy_(staged)
+                bits(tensor.data).copy_(bits(staged))
         else:
-            tensor.data.copy_(staged)  # blocking: the copy, then a wait for the device's current stream
+            bits(tensor.data).copy_(bits(staged))  # blocking: the copy, then a wait for the device's current stream
     else:
         slot.pending = _record(device)
     return result
@@ -316,7 +347,7 @@ class StagedArguments:
             with torch.no_grad():
                 for caller, staged in self._written:
                     with writable(caller):
-                        caller.data.copy_(staged, non_blocking=_is_pinned(caller))
+                        bits(caller.data).copy_(bits(staged), non_blocking=_is_pinned(caller))
             _finish_on(self.device)
             self._copied = True
 
@@ -462,8 +493,40 @@ class StagedWork(dist.Work):
                 return error
         return None
 
+    # What describes the collective rather than the copies is the collective's own handle's answer (its errors
+    # included: Gloo's sourceRank() of a send, getDuration()): torch's test_send_recv_any_source asks
+    # _source_rank() of an irecv from any source.
     def source_rank(self) -> int:
         return self._works[0].source_rank()
+
+    def _source_rank(self) -> int:
+        return self._works[0]._source_rank()
+
+    def _get_op_type(self) -> int:
+        return self._works[0]._get_op_type()
+
+    def _get_duration(self) -> float:
+        return self._works[0]._get_duration()
+
+    def get_future_result(self) -> torch.futures.Future:
+        """A future of the collective's ``WorkResult`` (an int), as its own handle's: only where that handle has
+        one (NCCL; Gloo raises, as torch's does); completed once the caller's tensors hold the result."""
+        results = torch.futures.collect_all([work.get_future_result() for work in self._works])
+        done = torch.futures.Future()
+
+        def finished(futures) -> None:
+            results = torch._C._distributed_c10d.WorkResult
+            codes = [f.value() for f in futures.value()]
+            failed = next((code for code in codes if code != int(results.SUCCESS)), None)
+            if failed is None:
+                try:
+                    self._settle()
+                except Exception:  # the results could not be written
+                    failed = int(results.COMM_ERROR)
+            done.set_result(int(results.SUCCESS) if failed is None else failed)
+
+        results.add_done_callback(finished)
+        return done
 
     def result(self) -> list[torch.Tensor]:
         self.wait()

@@ -75,8 +75,8 @@ def coalescing_manager(served: bool):
 
 
 def inference_tensors(chunk_bytes: int):
-    """Tensors made under torch.inference_mode(), staged outside it, whole and chunked: written as torch writes
-    them."""
+    """Tensors made under torch.inference_mode(), staged outside it in place, whole and chunked, and as a gather's
+    outputs inside it (outside, torch refuses them): written as torch writes them."""
     rank = dist.get_rank()
     with torch.inference_mode():
         reduced = torch.full((33,), rank + 1.0)
@@ -85,7 +85,8 @@ def inference_tensors(chunk_bytes: int):
     with staging(), configured(chunk_bytes=chunk_bytes):
         dist.all_reduce(reduced)
         dist.broadcast(broadcast, src=0)
-        dist.all_gather(gathered, torch.full((3,), float(rank)))
+        with torch.inference_mode():
+            dist.all_gather(gathered, torch.full((3,), float(rank)))
     assert reduced.tolist() == [3.0] * 33 and broadcast.tolist() == [1.0] * 33
     assert [g.tolist() for g in gathered] == [[0.0] * 3, [1.0] * 3]
 

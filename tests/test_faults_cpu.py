@@ -139,8 +139,9 @@ def test_async_error_surfaces_where_torch_raises_it(fault_ranks, numel):
 
 
 def check_inference_tensors(numel, asynchronous):
-    """Tensors made under torch.inference_mode() (rollouts, eval metrics), staged outside it: whole, pipelined,
-    non-contiguous, sync and async, in place and as outputs; written as torch's C++ writes them."""
+    """Tensors made under torch.inference_mode() (rollouts, eval metrics), staged: in place outside inference mode
+    (whole, pipelined, non-contiguous, sync and async), written as torch's C++ writes them; as a gather's outputs
+    inside it (outside, torch refuses them: test_torch_semantics_cpu)."""
     with torch.inference_mode():
         tensor = rank_input((numel, 2), torch.float32, seed=6)
         view = rank_input((numel, 2), torch.float32, seed=9).t()
@@ -151,11 +152,10 @@ def check_inference_tensors(numel, asynchronous):
     with configured(always_stage=False):
         dist.all_gather(expected_gathered, expected)
     with staging_through_cpu(chunk_bytes=CHUNK):
-        for work in (
-            dist.all_reduce(tensor, async_op=asynchronous),
-            dist.broadcast(view, src=0, async_op=asynchronous),
-            dist.all_gather(gathered, tensor, async_op=asynchronous),
-        ):
+        works = [dist.all_reduce(tensor, async_op=asynchronous), dist.broadcast(view, src=0, async_op=asynchronous)]
+        with torch.inference_mode():
+            works.append(dist.all_gather(gathered, tensor, async_op=asynchronous))
+        for work in works:
             if asynchronous:
                 work.wait()
     assert tensor.is_inference() and all(t.is_inference() for t in gathered)

@@ -1,0 +1,456 @@
+"""What torch does, the shim does: semantics found broken by adversarial runs and by PyTorch's own distributed
+tests, on Gloo ranks with the staging path forced through the CPU (real copies, a real Gloo collective on the
+staged tensors). The reference is always the same call left to torch.
+
+* compiled code calling a collective first on a fresh group, shim merely installed or staging forced;
+* an ``async_op=True`` call returns without waiting for its peers (two groups used in opposite orders);
+* nothing is written from memory no call filled (an input on ``meta``);
+* what torch refuses (grad-requiring leaf and inference outputs, non-contiguous tensors) is refused alike, with
+  torch's exception and message, before anything moves;
+* ``P2POp``s made while installed work after ``uninstall()``; a staged handle answers torch's handle's methods;
+* bool reductions are bitwise torch's (Gloo leaves the byte 2 where two ranks sum True).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import offload_shim
+from bitwise import same_bits
+from observe import configured
+from test_staging_cpu import rank_input, staging_through_cpu
+
+INDUCTOR = os.environ.get("OFFLOAD_SHIM_TEST_INDUCTOR") == "1"
+
+
+def _group(timeout_s: float = 60):
+    """A fresh group of every rank, never used before (its ProcessGroup not seen by the shim yet)."""
+    return dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _unstaged(call, *tensors):
+    """``call(*copies)`` left to torch; returns the copies after it."""
+    copies = [t.clone() for t in tensors]
+    with configured(always_stage=False, staging_device=None):
+        call(*copies)
+    return copies
+
+
+# ---------------------------------------------------------------- compiled code on a fresh group
+
+# One function per family, each given (tensor, group) and returning a tensor of what it received. Dynamo puts
+# some in its graph (all_reduce, the gathers, funcol) and graph-breaks on the others (broadcast, reduce, scatter,
+# gather, point-to-point, any async_op=True call), running them as Python.
+
+
+def _broadcast(t, g):
+    dist.broadcast(t, src=0, group=g)
+    return t + 1
+
+
+def _reduce(t, g):
+    out = t.clone()
+    dist.reduce(out, dst=dist.get_global_rank(g, 0), group=g)
+    return (out if g.rank() == 0 else t) + 1  # elsewhere Gloo uses the tensor as scratch; staged, it is unchanged
+
+
+def _all_reduce(t, g):
+    dist.all_reduce(t, group=g)
+    return t + 1
+
+
+def _all_reduce_async(t, g):
+    dist.all_reduce(t, group=g, async_op=True).wait()
+    return t + 1
+
+
+def _all_gather_into_tensor(t, g):
+    out = torch.empty(t.numel() * g.size())
+    dist.all_gather_into_tensor(out, t, group=g)
+    return out + 1
+
+
+def _all_gather(t, g):
+    outs = [torch.empty_like(t) for _ in range(g.size())]
+    dist.all_gather(outs, t, group=g)
+    return torch.cat(outs) + 1
+
+
+def _reduce_scatter_tensor(t, g):
+    out = torch.empty(t.numel() // g.size())
+    dist.reduce_scatter_tensor(out, t, group=g)
+    return out + 1
+
+
+def _all_to_all_single(t, g):
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t, group=g)
+    return out + 1
+
+
+def _scatter(t, g):
+    out = torch.empty(t.numel() // g.size())
+    chunks = list(t.chunk(g.size())) if g.rank() == 0 else None
+    dist.scatter(out, chunks, src=dist.get_global_rank(g, 0), group=g)
+    return out + 1
+
+
+def _gather(t, g):
+    outs = [torch.empty_like(t) for _ in range(g.size())] if g.rank() == 0 else None
+    dist.gather(t, outs, dst=dist.get_global_rank(g, 0), group=g)
+    return torch.cat(outs) + 1 if outs else t + 1
+
+
+def _send_recv(t, g):
+    if g.rank() == 0:
+        dist.send(t, dst=dist.get_global_rank(g, 1), group=g)
+    elif g.rank() == 1:
+        dist.recv(t, src=dist.get_global_rank(g, 0), group=g)
+    return t + 1
+
+
+def _batch_isend_irecv(t, g):
+    out = torch.empty_like(t)
+    right, left = (g.rank() + 1) % g.size(), (g.rank() - 1) % g.size()
+    ops = [dist.P2POp(dist.isend, t, group=g, group_peer=right), dist.P2POp(dist.irecv, out, group=g, group_peer=left)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out + 1
+
+
+def _funcol_all_reduce(t, g):
+    return funcol.all_reduce(t, "sum", g) + 1
+
+
+COMPILED = {f.__name__[1:]: f for f in (
+    _broadcast, _reduce, _all_reduce, _all_reduce_async, _all_gather_into_tensor, _all_gather, _reduce_scatter_tensor,
+    _all_to_all_single, _scatter, _gather, _send_recv, _batch_isend_irecv, _funcol_all_reduce,
+)}
+BACKENDS = ["eager", "aot_eager", *(["inductor"] if INDUCTOR else [])]
+
+
+def check_compiled_first_on_fresh_groups(backend, forced):
+    """Each family compiled and called first on a fresh group (another group used eagerly before): the same
+    values as torch's own eager call; with staging forced, staged (every call counted by the shim)."""
+    offload_shim.install()
+    dist.all_reduce(torch.ones(1))  # the default group used eagerly: the fresh groups below are not
+    results = {}
+    for name, function in COMPILED.items():
+        base = rank_input((4 * dist.get_world_size(),), torch.float32, seed=len(name))
+        expected = function(base.clone(), _group())  # torch eager, no staging (always_stage is off)
+        torch._dynamo.reset()
+        compiled = torch.compile(function, backend=backend)
+        settings = dict(staging_device="cpu", always_stage=True) if forced else {}
+        offload_shim.reset_staging_counters()
+        with configured(**settings):
+            result = compiled(base.clone(), _group())
+        staged = sum(count.calls for count in offload_shim.staging_counters().values())
+        assert same_bits(result, expected), (name, result, expected)
+        results[name] = staged
+    torch._dynamo.reset()
+    return results
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["installed", "staged"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_first_on_fresh_groups(gloo_ranks, backend, forced):
+    for staged in gloo_ranks.run(check_compiled_first_on_fresh_groups, backend, forced):
+        if forced:
+            assert all(staged.values()), staged  # every family went through the staging path
+        else:
+            assert not any(staged.values()), staged
+
+
+# ---------------------------------------------------------------- asynchronous calls never wait for peers
+
+
+def check_async_call_never_waits_for_peers(numel):
+    """Rank 0 posts an async all_reduce on group A, then a sync one on group B; rank 1 does B, then A. torch
+    completes both; a staged async call that waited for its peers (a pipeline's agreement, a chunk's wait) would
+    leave rank 0 inside A while rank 1 waits in B, until the groups' timeout."""
+    a, b = _group(timeout_s=15), _group(timeout_s=15)
+    x, y = rank_input((numel,), torch.float32, seed=21), rank_input((numel,), torch.float32, seed=22)
+    expected_x, expected_y = _unstaged(lambda t: dist.all_reduce(t, group=a), x)[0], _unstaged(
+        lambda t: dist.all_reduce(t, group=b), y)[0]
+    with staging_through_cpu(chunk_bytes=64) as devices:  # 16 float32 a chunk: the sync call is pipelined
+        if dist.get_rank() == 0:
+            work = dist.all_reduce(x, group=a, async_op=True)
+            dist.all_reduce(y, group=b)
+            work.wait()
+        else:
+            dist.all_reduce(y, group=b)
+            dist.all_reduce(x, group=a, async_op=True).wait()
+    assert devices == ["cpu", "cpu"]
+    assert same_bits(x, expected_x) and same_bits(y, expected_y)
+
+
+@pytest.mark.parametrize("numel", [40, 4096])
+def test_async_call_never_waits_for_peers(gloo_ranks, numel):
+    gloo_ranks.run(check_async_call_never_waits_for_peers, numel)
+
+
+# ---------------------------------------------------------------- nothing written that no call filled
+
+META_INPUT_CALLS = {
+    "all_gather_into_tensor": lambda out, meta: dist.all_gather_into_tensor(out, meta),
+    "reduce_scatter_tensor": lambda out, meta: dist.reduce_scatter_tensor(out[:4], meta),
+    "all_to_all_single": lambda out, meta: dist.all_to_all_single(out[:8], meta),
+    "all_gather": lambda out, meta: dist.all_gather(list(out.view(2, 8)), meta[:8]),
+}
+
+
+def check_meta_input_writes_nothing():
+    """A CPU output with an input on ``meta`` (which holds no data): torch writes nothing; staged, nothing either
+    (never the staging buffer's uninitialised memory)."""
+    world = dist.get_world_size()
+    for name, call in META_INPUT_CALLS.items():
+        meta = torch.empty(8 * world, device="meta")
+        out = torch.full((16,), 7.0)
+        (expected,) = _unstaged(lambda o: call(o, meta), out)
+        with staging_through_cpu():
+            call(out, meta)
+        assert same_bits(out, expected) and torch.equal(out, torch.full((16,), 7.0)), (name, out)
+
+
+def test_meta_input_writes_nothing(gloo_ranks):
+    gloo_ranks.run(check_meta_input_writes_nothing)
+
+
+# ---------------------------------------------------------------- what torch refuses, refused alike
+
+
+def _leaf(*shape):
+    return torch.zeros(*shape, requires_grad=True)
+
+
+def _inference(*shape):
+    with torch.inference_mode():
+        return torch.zeros(*shape)
+
+
+def _strided(*shape):
+    return torch.zeros(*shape, 2)[..., 0]
+
+
+def _refused_calls(make, group):
+    """Calls on ``group`` whose outputs ``make`` builds, and the tensors they write."""
+    world, rank = group.size(), group.rank()
+    outs = [make(4) for _ in range(world)]
+    return {
+        "all_gather": (lambda: dist.all_gather(outs, torch.ones(4), group=group), outs),
+        "all_gather_into_tensor": (lambda o=make(4 * world): dist.all_gather_into_tensor(o, torch.ones(4), group=group), None),
+        "reduce_scatter_tensor": (lambda o=make(4): dist.reduce_scatter_tensor(o, torch.ones(4 * world), group=group), None),
+        "reduce_scatter": (lambda o=make(4): dist.reduce_scatter(o, [torch.ones(4)] * world, group=group), None),
+        "all_to_all": (lambda: dist.all_to_all(outs, [torch.ones(4)] * world, group=group), outs),
+        "all_reduce_coalesced": (lambda: dist.all_reduce_coalesced(outs, group=group), outs),
+        "gather": (lambda: dist.gather(torch.ones(4), outs if rank == 0 else None, group_dst=0, group=group), outs),
+    }
+
+
+def _error(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the error is what is compared
+        return type(error), str(error)
+    return None
+
+
+def _each_rank_done(key: str) -> None:
+    """Wait until every rank has reached ``key``, through the store: a group torch's refusal left half-run (a
+    gather's root raised, the others returned) must not carry the next call."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{dist.get_rank()}", "1")
+    store.wait([f"{key}/{r}" for r in range(dist.get_world_size())])
+
+
+def check_refused_like_torch(kind):
+    """Outputs that autograd refuses to write in place (a leaf that requires grad, an inference tensor outside
+    inference mode): refused by torch's Gloo and by the staged call alike, with torch's exception, the outputs
+    unchanged; the staged call refuses before anything moves (only the gather's root has outputs: the others
+    do not enter it here). Each call on a group of its own."""
+    make = {"leaf": _leaf, "inference": _inference}[kind]
+    refused = {}
+    for name in _refused_calls(make, dist.group.WORLD):
+        call, _ = _refused_calls(make, _group(timeout_s=10))[name]
+        with configured(always_stage=False, staging_device=None):
+            refused[name] = _error(call)
+        _each_rank_done(f"refused/{kind}/torch/{name}")
+    assert refused["all_gather"] is not None and refused["all_gather"][0] is RuntimeError, refused
+    for name in refused:
+        call, outs = _refused_calls(make, _group(timeout_s=10))[name]
+        if refused[name] is not None:  # (the gather's other ranks: torch wrote nothing there to refuse)
+            offload_shim.reset_staging_counters()
+            with staging_through_cpu():
+                error = _error(call)
+            assert not offload_shim.staging_counters(), name  # refused before anything was staged
+            assert error is not None and error[0] is refused[name][0], (name, error, refused[name])
+            if name != "all_gather_into_tensor":  # Gloo's own copy, into a split view, words it differently
+                assert error == refused[name], (name, error, refused[name])
+            assert all(torch.equal(o, torch.zeros(4)) for o in outs or []), name
+        _each_rank_done(f"refused/{kind}/staged/{name}")
+
+
+@pytest.mark.parametrize("kind", ["leaf", "inference"])
+def test_refused_like_torch(gloo_ranks, kind):
+    gloo_ranks.run(check_refused_like_torch, kind)
+
+
+def check_non_contiguous_refused_like_torch():
+    """Non-contiguous tensors where torch takes contiguous ones only: all_to_all_single's input, point-to-point
+    tensors (send, recv, isend, irecv, batch_isend_irecv)."""
+    rank = dist.get_rank()
+    calls = {
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.zeros(4), _strided(4)),
+        "send_recv": lambda: dist.send(_strided(4), 1) if rank == 0 else dist.recv(_strided(4), 0),
+        "isend_irecv": lambda: (dist.isend(_strided(4), 1) if rank == 0 else dist.irecv(_strided(4), 0)).wait(),
+        "batch_isend_irecv": lambda: dist.batch_isend_irecv([dist.P2POp(
+            dist.isend if rank == 0 else dist.irecv, _strided(4), 1 - rank)])[0].wait(),
+    }
+    for name, call in calls.items():
+        with configured(always_stage=False, staging_device=None):
+            expected = _error(call)
+        assert expected is not None, name
+        _each_rank_done(f"non-contiguous/torch/{name}")
+        offload_shim.reset_staging_counters()
+        with staging_through_cpu():
+            assert _error(call) == expected, name
+        assert not offload_shim.staging_counters(), name
+        _each_rank_done(f"non-contiguous/staged/{name}")
+
+
+def test_non_contiguous_refused_like_torch(gloo_ranks):
+    gloo_ranks.run(check_non_contiguous_refused_like_torch)
+
+
+def check_gradients_and_inference_allowed_where_torch_allows():
+    """What torch allows stays allowed: an in-place collective on a leaf that requires grad or an inference
+    tensor (Gloo writes them in place, unchecked), a gather into leaves under no_grad, into inference outputs
+    inside inference mode."""
+    tensor = rank_input((4,), torch.float32, seed=31).requires_grad_()
+    (expected,) = _unstaged(dist.all_reduce, tensor.detach())
+    with staging_through_cpu() as staged:
+        dist.all_reduce(tensor)
+        outs = [_leaf(4) for _ in range(dist.get_world_size())]
+        with torch.no_grad():
+            dist.all_gather(outs, tensor.detach())
+        inference = [_inference(4) for _ in range(dist.get_world_size())]
+        with torch.inference_mode():
+            dist.all_gather(inference, tensor.detach())
+    assert len(staged) == 3
+    assert tensor.is_leaf and tensor.requires_grad and same_bits(tensor.detach(), expected)
+    assert all(o.is_leaf and same_bits(o.detach(), i) for o, i in zip(outs, inference))
+
+
+def test_gradients_and_inference_allowed_where_torch_allows(gloo_ranks):
+    gloo_ranks.run(check_gradients_and_inference_allowed_where_torch_allows)
+
+
+# ---------------------------------------------------------------- objects made while installed, work handles
+
+
+def check_p2p_ops_made_while_installed_work_after_uninstall():
+    """A P2POp holds torch's own isend/irecv, whoever's function it was given: after uninstall() torch's
+    batch_isend_irecv still tells its sends from its receives."""
+    offload_shim.install()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    send, recv = torch.full((3,), float(rank)), torch.empty(3)
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+    offload_shim.uninstall()
+    try:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    finally:
+        offload_shim.install()
+    assert torch.equal(recv, torch.full((3,), float((rank - 1) % world)))
+    with staging_through_cpu() as staged:  # and made before, used while installed and staged
+        recv.zero_()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    assert staged == ["cpu"] and torch.equal(recv, torch.full((3,), float((rank - 1) % world)))
+
+
+def test_p2p_ops_made_while_installed_work_after_uninstall(gloo_ranks):
+    gloo_ranks.run(check_p2p_ops_made_while_installed_work_after_uninstall)
+
+
+def _answers(work):
+    answers = {}
+    for method in ("_source_rank", "source_rank", "_get_op_type", "_get_duration", "is_success", "exception"):
+        try:
+            answers[method] = getattr(work, method)()
+        except Exception as error:  # noqa: BLE001 - torch's error is an answer too
+            answers[method] = (type(error), str(error))
+    try:
+        answers["get_future_result"] = work.get_future_result().wait()
+    except Exception as error:  # noqa: BLE001
+        answers["get_future_result"] = (type(error), str(error))
+    return answers
+
+
+def check_staged_handle_answers_as_torch():
+    """A staged irecv from any source, and its isend, answer torch's handle's methods as torch's own handles do:
+    _source_rank() and source_rank() (torch's test_send_recv_any_source), the op type, and the errors Gloo gives."""
+    rank = dist.get_rank()
+    answers = []
+    for staged in (False, True):
+        tensor = torch.full((3,), float(rank))
+        with configured(staging_device="cpu" if staged else None, always_stage=staged):
+            work = dist.isend(tensor, 1) if rank == 0 else dist.irecv(tensor)
+            work.wait()
+        answers.append(_answers(work))
+        if rank == 1:
+            assert torch.equal(tensor, torch.zeros(3))
+    assert answers[0] == answers[1], answers
+    return answers[1]["_source_rank"]
+
+
+def test_staged_handle_answers_as_torch(gloo_ranks):
+    sources = gloo_ranks.run(check_staged_handle_answers_as_torch)
+    assert sources[1] == 0
+
+
+# ---------------------------------------------------------------- bool reductions, bitwise
+
+
+def check_bool_reductions_bitwise():
+    """A bool SUM leaves the backend's byte (2 where two ranks hold True) in place, through every staged path:
+    small, whole (async), pipelined, non-contiguous, reduce, coalesced, reduce-scatter, functional. (Gloo's own call
+    on a non-contiguous tensor reduces its memory as if it were contiguous: that one's reference is a contiguous
+    copy, as in tests/contracts.py.)"""
+    world = dist.get_world_size()
+    base = torch.ones(64, dtype=torch.bool)
+    calls = {
+        "small": lambda t: dist.all_reduce(t),
+        "async": lambda t: dist.all_reduce(t, async_op=True).wait(),
+        "pipelined": lambda t: dist.all_reduce(t),
+        "reduce": lambda t: dist.reduce(t, dst=0),
+        "coalesced": lambda t: dist.all_reduce_coalesced([t[:32], t[32:]]),
+        "reduce_scatter": lambda t: dist.reduce_scatter_tensor(t[: 64 // world], t.clone()),
+        "functional": lambda t: t.copy_(funcol.all_reduce(t, "sum", dist.group.WORLD)),
+    }
+    for name, call in calls.items():
+        (expected,) = _unstaged(call, base)
+        if name in ("small", "async", "pipelined"):  # (Gloo's coalesced call stores 1: it copies bool to bool)
+            assert expected.view(torch.uint8).max() == world, (name, expected.view(torch.uint8))  # not 1
+        tensor = base.clone()
+        with staging_through_cpu(chunk_bytes=16 if name == "pipelined" else 1 << 20):
+            call(tensor)
+        if name == "reduce" and dist.get_rank() != 0:  # Gloo's scratch there; staged, unchanged as NCCL leaves it
+            expected = base
+        assert same_bits(tensor, expected), (name, tensor.view(torch.uint8), expected.view(torch.uint8))
+    for chunk_bytes in (16, 1 << 20):  # non-contiguous, pipelined and small: against torch's call on a contiguous copy
+        tensor = base.clone()
+        (expected,) = _unstaged(dist.all_reduce, tensor[::2].contiguous())
+        with staging_through_cpu(chunk_bytes=chunk_bytes):
+            dist.all_reduce(tensor[::2])
+        assert same_bits(tensor[::2], expected) and same_bits(tensor[1::2], base[1::2]), tensor.view(torch.uint8)
+
+
+def test_bool_reductions_bitwise(gloo_ranks):
+    gloo_ranks.run(check_bool_reductions_bitwise)
