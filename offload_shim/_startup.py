@@ -3,8 +3,9 @@
 * ``import offload_shim``: :func:`activate_on_import` installs the wrappers unless ``OFFLOAD_SHIM`` is false.
 * ``OFFLOAD_SHIM=1`` with the package installed: torch runs the ``torch.backends`` entry points at the end of
   ``import torch`` (``torch._import_device_backends``, the hook Ascend's torch_npu uses), in every fresh
-  interpreter, so every rank torchrun starts. The entry point, ``offload_shim_boot.autoload``, is a
-  top-level module so that loading it imports nothing of offload_shim while ``OFFLOAD_SHIM`` is unset.
+  interpreter, so every rank torchrun starts. The entry point, ``offload_shim_autoload.autoload``, is a
+  top-level module that imports nothing of offload_shim while ``OFFLOAD_SHIM`` is unset, and that stays beside
+  the metadata in every install layout so that ``import torch`` never breaks (see that module).
 * ``sitecustomize_template.py``: imports offload_shim once torch is imported, unless ``OFFLOAD_SHIM`` is false.
 """
 

@@ -12,6 +12,22 @@ from ranks import RankPool
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+SOURCE_FILES = (
+    "setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "offload_shim_autoload.py", "offload_shim_boot.py",
+    "sitecustomize_template.py", "build_backend/offload_shim_build.py",
+)
+
+
+def copy_source(destination: pathlib.Path) -> pathlib.Path:
+    """The files a build of offload_shim reads, copied from this tree into ``destination`` (returned)."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist")
+    shutil.copytree(ROOT / "offload_shim", destination / "offload_shim", ignore=ignore)
+    for name in SOURCE_FILES:
+        (destination / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, destination / name)
+    return destination
+
+
 @pytest.fixture(scope="session")
 def wheel_site(tmp_path_factory):
     """offload_shim as users install it: a wheel built from this tree (the files a build reads, copied away so
@@ -19,11 +35,7 @@ def wheel_site(tmp_path_factory):
     PYTHONPATH (``interpreters.environment(site=...)``); its ``torch.backends`` entry point and console script come
     with it. Returns that directory."""
     top = tmp_path_factory.mktemp("wheel")
-    source = top / "source"
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist")
-    shutil.copytree(ROOT / "offload_shim", source / "offload_shim", ignore=ignore)
-    for name in ("setup.cfg", "pyproject.toml", "README.md", "LICENSE", "offload_shim_boot.py", "sitecustomize_template.py"):
-        shutil.copy(ROOT / name, source / name)
+    source = copy_source(top / "source")
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(top), str(source)], check=True, capture_output=True)
     (wheel,) = top.glob("offload_shim-*.whl")

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from conftest import copy_source
 from interpreters import REPORT, SHIM_VARIABLES, environment, python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def last_line(result) -> str:
 
 def test_entry_point_is_registered():
     values = [e.value for e in importlib.metadata.entry_points(group="torch.backends") if e.name == "offload_shim"]
-    assert values == ["offload_shim_boot:autoload"], "install the package (pip install -e .) to register it"
+    assert values == ["offload_shim_autoload:autoload"], "install the package (pip install -e .) to register it"
 
 
 # Each spelling of a value: one through the whole path (a fresh interpreter's `import torch`), the others through
@@ -391,6 +392,72 @@ def test_sitecustomize_never_breaks_start_up(site, tmp_path, missing):
         assert out.stderr.count("offload_shim is not enabled: importing offload_shim failed in this environment "
                                 f"({sys.executable}): ImportError: offload_shim is not installed (test stub) "
                                 f"[asked for by the drop-in {os.path.realpath(site[0])}") == 1, out.stderr
+
+
+def _editable_site(tmp_path) -> tuple[pathlib.Path, pathlib.Path]:
+    """An editable install of a copy of this tree, as ``pip install -e`` makes it (the build backend's editable
+    wheel, installed): ``(source, site)``, ``site`` holding the metadata, the ``.pth`` line and the entry point's
+    module."""
+    source = copy_source(tmp_path / "clone")
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, 'build_backend'); import offload_shim_build as b; "
+         f"b.build_editable({str(wheels)!r})"],
+        cwd=source, check=True, capture_output=True,
+    )
+    site = tmp_path / "site"
+    (wheel,) = wheels.glob("offload_shim-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "-q", "install", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    return source, site
+
+
+def _layout(name, tmp_path, wheel_site) -> pathlib.Path:
+    """The site of an install in layout ``name``, as its user left it."""
+    if name.startswith("editable"):
+        source, site = _editable_site(tmp_path)
+        if name == "editable, source removed":
+            shutil.rmtree(source)
+        elif name == "editable, start-up module broken":
+            (source / "offload_shim_boot.py").write_text("def autoload(:\n")  # a syntax error
+        return site
+    site = tmp_path / "site"
+    shutil.copytree(wheel_site, site)
+    if name == "wheel, partly uninstalled":
+        shutil.rmtree(site / "offload_shim")
+        (site / "offload_shim_boot.py").unlink()
+    return site
+
+
+# Run with the layout's site first on sys.path, its .pth processed, and without this tree (which the suite's own
+# editable install puts on sys.path): what a program of that environment imports.
+IN_LAYOUT = """
+import os, site, sys, wrapt
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != {root!r}]
+site.addsitedir({site!r})
+import torch
+print("installed" if isinstance(torch.distributed.all_reduce, wrapt.FunctionWrapper) else "not installed")
+"""
+
+
+@pytest.mark.parametrize("layout", [
+    "wheel", "wheel, partly uninstalled", "editable", "editable, source removed", "editable, start-up module broken",
+])
+def test_start_up_hook_never_breaks_import_torch(tmp_path, wheel_site, layout):
+    """Whatever is left of an install, ``import torch`` works: the entry point's module lives beside the metadata
+    in every layout (an editable install's too) and does nothing, or warns once where the shim was asked for,
+    where the rest is gone or broken."""
+    site = _layout(layout, tmp_path, wheel_site)
+    code = IN_LAYOUT.format(root=str(ROOT), site=str(site))
+    intact = layout in ("wheel", "editable")
+    for value in ("", "1"):
+        out = python(code, env={"OFFLOAD_SHIM": value, "PYTHONPATH": str(site)}, cwd=tmp_path)
+        assert last_line(out) == ("installed" if value and intact else "not installed"), out.stdout
+        messages = [line for line in out.stderr.splitlines() if "offload_shim" in line]
+        if value and not intact:
+            assert len(messages) == 1 and "offload_shim is not enabled: its start-up module cannot run" in messages[0]
+        else:
+            assert messages == [], out.stderr
 
 
 def test_log_variable_prints_install_and_staging_decisions():
