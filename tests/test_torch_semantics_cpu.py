@@ -44,8 +44,8 @@ def _unstaged(call, *tensors):
 
 # ---------------------------------------------------------------- compiled code on a fresh group
 
-# One function per family, each given (tensor, group) and returning a tensor of what it received. Dynamo puts
-# some in its graph (all_reduce, the gathers, funcol) and graph-breaks on the others (broadcast, reduce, scatter,
+# One function per family, each given (tensor, group) and returning a tensor of what it received, on the tensor's
+# device (tests/test_one_gpu.py calls them on accelerator copies for its reference). Dynamo puts some in its graph (all_reduce, the gathers, funcol) and graph-breaks on the others (broadcast, reduce, scatter,
 # gather, point-to-point, any async_op=True call), running them as Python.
 
 
@@ -71,7 +71,7 @@ def _all_reduce_async(t, g):
 
 
 def _all_gather_into_tensor(t, g):
-    out = torch.empty(t.numel() * g.size())
+    out = t.new_empty(t.numel() * g.size())
     dist.all_gather_into_tensor(out, t, group=g)
     return out + 1
 
@@ -83,7 +83,7 @@ def _all_gather(t, g):
 
 
 def _reduce_scatter_tensor(t, g):
-    out = torch.empty(t.numel() // g.size())
+    out = t.new_empty(t.numel() // g.size())
     dist.reduce_scatter_tensor(out, t, group=g)
     return out + 1
 
@@ -95,7 +95,7 @@ def _all_to_all_single(t, g):
 
 
 def _scatter(t, g):
-    out = torch.empty(t.numel() // g.size())
+    out = t.new_empty(t.numel() // g.size())
     chunks = list(t.chunk(g.size())) if g.rank() == 0 else None
     dist.scatter(out, chunks, src=dist.get_global_rank(g, 0), group=g)
     return out + 1
