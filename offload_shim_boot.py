@@ -1,13 +1,14 @@
-"""offload_shim's start-up entry points, kept outside the ``offload_shim`` package: importing anything inside the
-package runs its ``__init__``, which imports torch and installs the wrappers, and these must not.
+"""offload_shim's start-up, kept outside the ``offload_shim`` package: importing anything inside the package runs
+its ``__init__``, which imports torch and installs the wrappers, and this module must not. It imports nothing at load.
 
-* :func:`autoload`, entry point of group ``torch.backends``: switches the shim on at ``import torch``.
+* :func:`autoload`, called by the ``torch.backends`` entry point (``offload_shim_autoload``) at ``import torch``:
+  switches the shim on where ``OFFLOAD_SHIM`` asks, except in torchrun's own process, which runs no collective.
 * :func:`activate`, what every activation path ends in (the entry point and the sitecustomize drop-in): imports
   the package and, where the shim was asked for and is not installed, warns once per process with the cause and
-  the fix (a folder shadowing the package, wrapt missing, no torch.distributed, a malformed setting).
-* :func:`main`, the ``offload-shim`` command: ``run`` sets ``OFFLOAD_SHIM=1`` and executes a command without
-  importing torch, and so do ``--help``, ``run --help``, ``--version`` and ``dropin``; ``info`` and ``doctor``
-  import the package and report (a malformed setting becomes a message, not a traceback).
+  the fix (a folder shadowing the package, wrapt missing, no torch.distributed, a malformed setting), at the
+  program's line that imported torch.
+
+The command line is ``offload_shim_cli``.
 """
 
 import os
@@ -21,10 +22,23 @@ _warned = False  # activate() warns once per process, whichever paths asked for 
 def autoload() -> None:
     """torch loads this at the end of ``import torch`` in every interpreter where offload_shim is installed, so it
     must cost nothing and never fail: while ``OFFLOAD_SHIM`` is unset or empty it returns at once and imports
-    nothing; otherwise it calls :func:`activate`."""
+    nothing; in torchrun's own process too (:func:`in_torchrun_launcher`); otherwise it calls :func:`activate`."""
     value = os.environ.get("OFFLOAD_SHIM", "")
-    if value.strip():
+    if value.strip() and not in_torchrun_launcher():
         activate(f"OFFLOAD_SHIM={value!r}")
+
+
+_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def in_torchrun_launcher() -> bool:
+    """Whether this process is torchrun's own (``torchrun ...``, ``python -m torch.distributed.run ...``), which
+    imports torch, inherits ``OFFLOAD_SHIM``, and runs no collective: the shim is not switched on there, so it
+    neither warns nor logs twice beside the ranks it starts (each of which is a process of its own)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    if len(argv) > 1 and os.path.basename(argv[1]) == "torchrun":
+        return True
+    return any(flag == "-m" and module in _LAUNCHERS for flag, module in zip(argv[1:], argv[2:]))
 
 
 def activate(asked_by: str) -> None:
@@ -42,7 +56,7 @@ def activate(asked_by: str) -> None:
     global _warned
     if reason and not _warned:
         _warned = True
-        warnings.warn(f"offload_shim is not enabled: {reason} [asked for by {asked_by}]", RuntimeWarning, stacklevel=2)
+        _warn_at_program(f"offload_shim is not enabled: {reason} [asked for by {asked_by}]")
 
 
 def _not_a_package() -> str | None:
@@ -100,133 +114,23 @@ def not_installed_reason(module) -> str | None:
     return None  # installed, then uninstall()ed: the caller's own choice
 
 
-def run_command(command: list) -> int:
-    """Execute ``command`` (an argv list, optionally after ``--``) with ``OFFLOAD_SHIM=1``; returns only on error."""
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        print("offload-shim run: give a command, e.g. offload-shim run torchrun --nproc_per_node 2 train.py",
-              file=sys.stderr)
-        return 2
-    os.environ["OFFLOAD_SHIM"] = "1"
-    if not autoload_enabled():
-        print(f"offload-shim run: warning: {AUTOLOAD_OFF}", file=sys.stderr)
-    try:
-        os.execvp(command[0], command)
-    except OSError as exc:
-        print(f"offload-shim run: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
-        return 127
+def _warn_at_program(message: str) -> None:
+    """A ``RuntimeWarning`` located at the program's own line that led here (its ``import torch``): the first frame
+    outside offload_shim's start-up, the drop-in, torch and the import system; not at a line of ours, which the
+    warning would echo as its source."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and _not_the_program(frame):
+        frame = frame.f_back
+    registry = frame.f_globals.setdefault("__warningregistry__", {})
+    # (no module_globals: for `python -c` they name a loader that raises when asked for the source line)
+    warnings.warn_explicit(message, RuntimeWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"), registry=registry)
 
 
-AUTOLOAD_OFF = (
-    "TORCH_DEVICE_BACKEND_AUTOLOAD is not 1, so torch runs no torch.backends entry point and OFFLOAD_SHIM=1 "
-    "switches nothing on at import torch; unset it, import offload_shim in the script, or put the drop-in on "
-    "PYTHONPATH (offload-shim dropin DIR)"
-)
-
-
-def autoload_enabled() -> bool:
-    """Whether torch runs its ``torch.backends`` entry points at ``import torch`` (torch's own test, in
-    ``torch._is_device_backend_autoload_enabled``: ``TORCH_DEVICE_BACKEND_AUTOLOAD`` unset or ``1``)."""
-    return os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") == "1"
-
-
-RUN_USAGE = "offload-shim run [--] CMD [ARG...]"
-
-
-def parser():
-    """The command line's parser. Building it and printing help or the version import neither torch nor the
-    ``offload_shim`` package (``run``, ``dropin`` and ``--help`` stay cheap, and work where torch is broken)."""
-    import argparse
-
-    top = argparse.ArgumentParser(prog="offload-shim", description="Stage CPU tensors of collectives through the accelerator.")
-    top.add_argument("--version", action="version", version=f"offload-shim {_version()}")
-    sub = top.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="show versions, accelerator, settings and the start-up entry point")
-    doctor = sub.add_parser(
-        "doctor", help="check that the shim would work here; exit status 1 with the reasons where it would not",
-        description="Check that offload_shim would work here: versions, the accelerator, which offload_shim a "
-        "script in this directory imports, the start-up entry point and drop-in, the settings and their sources; "
-        "under torchrun, on every rank, the default process group's backends, the device types it serves, the "
-        "staging device and one all_reduce of a CPU tensor through the shim. Exit status 1 with the reasons "
-        "where the shim would not work, 0 otherwise.",
+def _not_the_program(frame) -> bool:
+    name = frame.f_globals.get("__name__") or ""
+    return (
+        name.startswith(("offload_shim", "torch.", "importlib."))
+        or name in ("torch", "importlib", "sitecustomize")
+        or frame.f_code.co_filename.startswith("<frozen importlib")
     )
-    doctor.add_argument(
-        "--backend", help="backend of the default process group made under torchrun (default: the accelerator's "
-        "own, e.g. nccl; gloo where there is no accelerator)",
-    )
-    dropin = sub.add_parser(
-        "dropin", help="write the sitecustomize drop-in into DIR",
-        description="Write the drop-in (sitecustomize_template.py) as DIR/sitecustomize.py; with DIR on "
-        "PYTHONPATH, every Python process switches the shim on when it imports torch, unless OFFLOAD_SHIM is false.",
-    )
-    dropin.add_argument("directory", metavar="DIR")
-    dropin.add_argument("--force", action="store_true", help="replace a different DIR/sitecustomize.py")
-    run = sub.add_parser(
-        "run", usage=RUN_USAGE, help="run a command with OFFLOAD_SHIM=1",
-        description="Run CMD with OFFLOAD_SHIM=1 in its environment, e.g. offload-shim run torchrun "
-        "--nproc_per_node 2 train.py. Everything after run (or after --) is the command; -h/--help right after "
-        "run prints this.",
-    )
-    run.add_argument("argv", nargs="*", metavar="CMD [ARG...]", help="the command and its arguments")
-    return top
-
-
-def _version() -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("offload_shim")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
-        return "unknown (not installed)"
-
-
-def write_dropin(directory: str, force: bool = False) -> int:
-    """``offload-shim dropin DIR``: copy the installed ``sitecustomize_template.py`` to ``DIR/sitecustomize.py``
-    (``DIR`` made if missing), with its bytecode for this Python in ``DIR/__pycache__``. Refuses, exit status 1,
-    to replace a different file there unless ``force``."""
-    import importlib.util
-    import pathlib
-
-    spec = importlib.util.find_spec("sitecustomize_template")  # found, not imported (importing it would arm it)
-    if spec is None or spec.origin is None:
-        print("offload-shim dropin: sitecustomize_template is not installed with offload_shim", file=sys.stderr)
-        return 1
-    text = pathlib.Path(spec.origin).read_text()
-    target = pathlib.Path(directory) / "sitecustomize.py"
-    if target.exists() and target.read_text() != text and not force:
-        print(f"offload-shim dropin: {target} exists and differs; the drop-in runs the sitecustomize it shadows "
-              "from later on sys.path, so put that one in another directory, or pass --force", file=sys.stderr)
-        return 1
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
-    import py_compile
-
-    # Its bytecode too, for this Python: where the directory is read-only or PYTHONDONTWRITEBYTECODE is set,
-    # every start-up would otherwise compile the file again (about 2 ms).
-    py_compile.compile(str(target), doraise=True)
-    print(f"wrote {target}\nswitch it on with: export PYTHONPATH={target.parent.resolve()}${{PYTHONPATH:+:$PYTHONPATH}}")
-    return 0
-
-
-def main(argv=None) -> int:
-    """``offload-shim run [--] CMD [ARG...]``, ``dropin DIR``, ``info`` or ``doctor``; ``--help``, ``run --help``
-    and ``--version`` print and exit 0. ``info`` and ``doctor`` import the package: where that fails, one line
-    says why (exit status 2 for a malformed setting, 1 otherwise)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
-        return run_command(argv[1:])
-    try:
-        args = parser().parse_args(argv)  # help, the version and usage errors, before torch is imported
-    except SystemExit as stop:  # argparse's: 0 after help or the version, 2 for a usage error
-        return stop.code if isinstance(stop.code, int) else 2
-    if args.command == "dropin":
-        return write_dropin(args.directory, args.force)
-    try:
-        with warnings.catch_warnings():  # a malformed variable is reported below, in one line (this process is ours)
-            warnings.simplefilter("ignore", RuntimeWarning)
-            from offload_shim import _cli
-    except Exception as exc:
-        print(f"offload-shim: {import_failure(exc)}", file=sys.stderr)
-        return 2 if isinstance(exc, ValueError) else 1
-    return _cli.info() if args.command == "info" else _cli.doctor(args.backend)

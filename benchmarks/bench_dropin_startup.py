@@ -35,7 +35,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as empty, tempfile.TemporaryDirectory() as site:
-        subprocess.run([sys.executable, "-c", "import sys, offload_shim_boot; sys.exit(offload_shim_boot.main())",
+        subprocess.run([sys.executable, "-c", "import sys, offload_shim_cli; sys.exit(offload_shim_cli.main())",
                         "dropin", site], check=True, capture_output=True)
         base = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOAD_SHIM")}
         sides = {"without": {**base, "PYTHONPATH": empty}, "with drop-in": {**base, "PYTHONPATH": site}}

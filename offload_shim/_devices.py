@@ -209,9 +209,12 @@ def staging_device_for(
     if device is not None and device.type in served:
         route = _counters.STAGED
         if cpu_served:
-            # Routing off the CPU backend pays only where another backend serves the accelerator.
-            routed = _routes(route_bytes, settings, group) and not (
-                device.type != "cpu" and backend_for(group, device.type) == backend_for(group, "cpu")
+            # Routing off the CPU backend pays only where another backend serves an accelerator to stage through
+            # (never through the CPU itself, the testing configuration: there only always_stage stages).
+            routed = (
+                _routes(route_bytes, settings, group)
+                and device.type != "cpu"
+                and backend_for(group, device.type) != backend_for(group, "cpu")
             )
             if not (routed or settings.always_stage):
                 return None

@@ -88,6 +88,7 @@ def _log_to_stderr(level: int | None) -> None:
     import os
 
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"[rank {os.environ.get('RANK', '-')} pid {os.getpid()}] %(message)s"))
+    rank = os.environ.get("RANK", "").strip()  # torchrun sets it in each rank; a process started otherwise has none
+    handler.setFormatter(logging.Formatter(f"[{f'rank {rank} ' if rank else ''}pid {os.getpid()}] %(message)s"))
     _log.addHandler(handler)
     _log.setLevel(level)

@@ -49,7 +49,7 @@ def _wrapped(module_name, name, owner=None):
     return isinstance(vars(holder)[name], wrapt.FunctionWrapper)
 print("c10d=%s funcol=%s dtensor=%s" % (
     _wrapped("torch.distributed.distributed_c10d", "all_reduce"),
-    _wrapped("torch.distributed._functional_collectives", "all_gather_single"),
+    _wrapped("torch.distributed._functional_collectives", "all_reduce"),
     _wrapped("torch.distributed.tensor._api", "full_tensor", "DTensor"),
 ))
 """

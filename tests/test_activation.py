@@ -269,7 +269,7 @@ def test_clone_folder_named_offload_shim_does_not_shadow(tmp_path, install):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.SHADOWED_SITECUSTOMIZE_RAN = True\n")
-    cli = subprocess.run([sys.executable, "-c", "import sys, offload_shim_boot; sys.exit(offload_shim_boot.main())",
+    cli = subprocess.run([sys.executable, "-c", "import sys, offload_shim_cli; sys.exit(offload_shim_cli.main())",
                           "dropin", str(tmp_path / "site")], env=environment(site=install), capture_output=True, text=True)
     assert cli.returncode == 0 and (tmp_path / "site" / "__pycache__").is_dir(), cli
     path = os.pathsep.join((str(tmp_path / "site"), str(theirs)))

@@ -1,4 +1,4 @@
-"""The command line: ``offload-shim`` (``offload_shim_boot.main``) and ``python -m offload_shim``."""
+"""The command line: ``offload-shim`` (``offload_shim_cli.main``) and ``python -m offload_shim``."""
 
 import os
 import pathlib
@@ -9,7 +9,7 @@ import pytest
 
 from interpreters import SHIM_VARIABLES
 
-BOOT = "import sys, offload_shim_boot; sys.exit(offload_shim_boot.main(sys.argv[1:]))"
+BOOT = "import sys, offload_shim_cli; sys.exit(offload_shim_cli.main(sys.argv[1:]))"
 
 
 def cli(*args, env=None):

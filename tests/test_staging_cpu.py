@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 import offload_shim
 from bitwise import same_bits
 from observe import configured, counting_calls, recording_staging
-from offload_shim import _pipeline, _staging
+from offload_shim import _devices, _pipeline, _staging
 
 # ---------------------------------------------------------------- helpers run inside the ranks
 
@@ -483,49 +483,59 @@ def check_all_reduce_non_contiguous():
 
 
 def check_routing(threshold):
-    """A Gloo group serves CPU; with a staging device configured, CPU tensors of at least ``threshold`` bytes
-    are routed through it. Every rank must take the same route for the same call."""
+    """Routing by size is decided from what every rank shares: each family's decision gets the size every rank
+    sees (an all_reduce's or broadcast's tensor, a DTensor's global size however its shards differ), or none where
+    sizes may differ per rank (a gather's input: never routed). Returns, per call, the ``route_bytes`` its decision
+    got and whether it was staged. On a plain Gloo group nothing is routed, even with a staging device set: routing
+    pays only through an accelerator on another backend (``cpu:gloo,cuda:nccl``; the GPU tests)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     offload_shim.install()
     rank = dist.get_rank()
-    routed = {}
-    with configured(staging_device="cpu", route_min_bytes=threshold):
-        for name, call in (
-            ("small_all_reduce", lambda: dist.all_reduce(torch.ones(threshold // 4 - 1))),
-            ("large_all_reduce", lambda: dist.all_reduce(torch.ones(threshold // 4))),
-            ("large_broadcast", lambda: dist.broadcast(torch.ones(threshold // 4), src=0)),
-            ("functional_all_reduce", lambda: funcol.all_reduce(torch.ones(threshold // 4), "sum", dist.group.WORLD)),
-            # Unequal sizes per rank: only the global size may decide.
-            (
-                "uneven_full_tensor",
-                lambda: distribute_tensor(
-                    torch.ones(2 * (threshold // 4) - 1), init_device_mesh("cpu", (2,)), [Shard(0)]
-                ).full_tensor(),
-            ),
-            # A gather's input size may differ per rank: never routed by size.
-            ("all_gather_single", lambda: funcol.all_gather_single(torch.ones(threshold), 0, dist.group.WORLD)),
-        ):
-            with recording_staging() as devices:
-                call()
-            routed[name] = devices == ["cpu"]
-    with configured(staging_device="cpu", route_min_bytes=None), recording_staging() as devices:
-        dist.all_reduce(torch.ones(threshold))
-    routed["routing_off"] = devices == ["cpu"]
-    return rank, routed
+    decisions = {}
+    decide = _devices.staging_device_for
+
+    def recording(tensor, group, collective, route_bytes=None):
+        asked.append(route_bytes)
+        return decide(tensor, group, collective, route_bytes)
+
+    _devices.staging_device_for = recording
+    try:
+        with configured(staging_device="cpu", route_min_bytes=threshold):
+            for name, call in (
+                ("small_all_reduce", lambda: dist.all_reduce(torch.ones(threshold // 4 - 1))),
+                ("large_all_reduce", lambda: dist.all_reduce(torch.ones(threshold // 4))),
+                ("large_broadcast", lambda: dist.broadcast(torch.ones(threshold // 4), src=0)),
+                ("functional_all_reduce", lambda: funcol.all_reduce(torch.ones(threshold // 4), "sum", dist.group.WORLD)),
+                # Unequal sizes per rank: only the global size may decide.
+                (
+                    "uneven_full_tensor",
+                    lambda: distribute_tensor(
+                        torch.ones(2 * (threshold // 4) - 1), init_device_mesh("cpu", (2,)), [Shard(0)]
+                    ).full_tensor(),
+                ),
+                # A gather's input size may differ per rank: never routed by size.
+                ("all_gather_single", lambda: funcol.all_gather_single(torch.ones(threshold), 0, dist.group.WORLD)),
+            ):
+                asked = []
+                with recording_staging() as devices:
+                    call()
+                decisions[name] = (asked[-1] if asked else None, devices == ["cpu"])
+    finally:
+        _devices.staging_device_for = decide
+    return rank, decisions
 
 
 def test_routing_by_size_takes_the_same_route_on_every_rank(gloo_ranks):
-    (_, routed0), (_, routed1) = gloo_ranks.run(check_routing, 4096)
-    assert routed0 == routed1 == {
-        "small_all_reduce": False,
-        "large_all_reduce": True,
-        "large_broadcast": True,
-        "functional_all_reduce": True,
-        "uneven_full_tensor": True,
-        "all_gather_single": False,
-        "routing_off": False,
+    (_, decisions0), (_, decisions1) = gloo_ranks.run(check_routing, 4096)
+    assert decisions0 == decisions1 == {
+        "small_all_reduce": (4092, False),
+        "large_all_reduce": (4096, False),
+        "large_broadcast": (4096, False),
+        "functional_all_reduce": (4096, False),
+        "uneven_full_tensor": (8188, False),  # the global size, on both ranks (their shards hold 4096 and 4092 B)
+        "all_gather_single": (None, False),
     }
 
 

@@ -1,12 +1,15 @@
-"""``offload-shim info`` and ``offload-shim doctor`` (the command itself, its parser, ``run`` and ``dropin`` live
-in ``offload_shim_boot``), also ``python -m offload_shim``.
+"""The ``offload-shim`` command (also ``python -m offload_shim``): its one parser and every subcommand.
 
+    offload-shim run [--] CMD [ARG...]  run CMD with OFFLOAD_SHIM=1, e.g. offload-shim run torchrun --nproc_per_node 2 train.py
+    offload-shim dropin DIR           write the sitecustomize drop-in as DIR/sitecustomize.py
     offload-shim info                 versions, accelerator, settings, start-up entry point, what is wrapped
     offload-shim doctor [--backend B] whether the shim would work here, and why not (exit status 1); under
                                       torchrun, each rank's group, backends, staging device and a staged all_reduce
-    offload-shim dropin DIR           write the sitecustomize drop-in as DIR/sitecustomize.py
-    offload-shim run [--] CMD [ARG...]  run CMD with OFFLOAD_SHIM=1, e.g. offload-shim run torchrun --nproc_per_node 2 train.py
-    offload-shim --version | --help | run --help   (import neither torch nor the package)
+
+A top-level module outside the package, so that ``run``, ``dropin``, ``--help``, ``run --help`` and ``--version``
+import neither torch nor the package (importing the package installs the wrappers). ``info`` and ``doctor`` import
+both when they run. The start-up module, ``offload_shim_boot``, is the only other part that must stay import-free;
+this one takes from it the reasons the shim is not enabled.
 """
 
 from __future__ import annotations
@@ -16,6 +19,141 @@ import json
 import os
 import sys
 import time
+import warnings
+
+from offload_shim_boot import import_failure
+
+
+def run_command(command: list) -> int:
+    """Execute ``command`` (an argv list, optionally after ``--``) with ``OFFLOAD_SHIM=1``; returns only on error."""
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("offload-shim run: give a command, e.g. offload-shim run torchrun --nproc_per_node 2 train.py",
+              file=sys.stderr)
+        return 2
+    os.environ["OFFLOAD_SHIM"] = "1"
+    if not autoload_enabled():
+        print(f"offload-shim run: warning: {AUTOLOAD_OFF}", file=sys.stderr)
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"offload-shim run: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
+
+
+AUTOLOAD_OFF = (
+    "TORCH_DEVICE_BACKEND_AUTOLOAD is not 1, so torch runs no torch.backends entry point and OFFLOAD_SHIM=1 "
+    "switches nothing on at import torch; unset it, import offload_shim in the script, or put the drop-in on "
+    "PYTHONPATH (offload-shim dropin DIR)"
+)
+
+
+def autoload_enabled() -> bool:
+    """Whether torch runs its ``torch.backends`` entry points at ``import torch`` (torch's own test, in
+    ``torch._is_device_backend_autoload_enabled``: ``TORCH_DEVICE_BACKEND_AUTOLOAD`` unset or ``1``)."""
+    return os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") == "1"
+
+
+RUN_USAGE = "offload-shim run [--] CMD [ARG...]"
+
+
+def parser():
+    """The command line's parser. Building it and printing help or the version import neither torch nor the
+    ``offload_shim`` package (``run``, ``dropin`` and ``--help`` stay cheap, and work where torch is broken)."""
+    import argparse
+
+    top = argparse.ArgumentParser(prog="offload-shim", description="Stage CPU tensors of collectives through the accelerator.")
+    top.add_argument("--version", action="version", version=f"offload-shim {_version()}")
+    sub = top.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="show versions, accelerator, settings and the start-up entry point")
+    doctor = sub.add_parser(
+        "doctor", help="check that the shim would work here; exit status 1 with the reasons where it would not",
+        description="Check that offload_shim would work here: versions, the accelerator, which offload_shim a "
+        "script in this directory imports, the start-up entry point and drop-in, the settings and their sources; "
+        "under torchrun, on every rank, the default process group's backends, the device types it serves, the "
+        "staging device and one all_reduce of a CPU tensor through the shim. Exit status 1 with the reasons "
+        "where the shim would not work, 0 otherwise.",
+    )
+    doctor.add_argument(
+        "--backend", help="backend of the default process group made under torchrun (default: the accelerator's "
+        "own, e.g. nccl; gloo where there is no accelerator)",
+    )
+    dropin = sub.add_parser(
+        "dropin", help="write the sitecustomize drop-in into DIR",
+        description="Write the drop-in (sitecustomize_template.py) as DIR/sitecustomize.py; with DIR on "
+        "PYTHONPATH, every Python process switches the shim on when it imports torch, unless OFFLOAD_SHIM is false.",
+    )
+    dropin.add_argument("directory", metavar="DIR")
+    dropin.add_argument("--force", action="store_true", help="replace a different DIR/sitecustomize.py")
+    run = sub.add_parser(
+        "run", usage=RUN_USAGE, help="run a command with OFFLOAD_SHIM=1",
+        description="Run CMD with OFFLOAD_SHIM=1 in its environment, e.g. offload-shim run torchrun "
+        "--nproc_per_node 2 train.py. Everything after run (or after --) is the command; -h/--help right after "
+        "run prints this.",
+    )
+    run.add_argument("argv", nargs="*", metavar="CMD [ARG...]", help="the command and its arguments")
+    return top
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("offload_shim")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown (not installed)"
+
+
+def write_dropin(directory: str, force: bool = False) -> int:
+    """``offload-shim dropin DIR``: copy the installed ``sitecustomize_template.py`` to ``DIR/sitecustomize.py``
+    (``DIR`` made if missing), with its bytecode for this Python in ``DIR/__pycache__``. Refuses, exit status 1,
+    to replace a different file there unless ``force``."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("sitecustomize_template")  # found, not imported (importing it would arm it)
+    if spec is None or spec.origin is None:
+        print("offload-shim dropin: sitecustomize_template is not installed with offload_shim", file=sys.stderr)
+        return 1
+    text = pathlib.Path(spec.origin).read_text()
+    target = pathlib.Path(directory) / "sitecustomize.py"
+    if target.exists() and target.read_text() != text and not force:
+        print(f"offload-shim dropin: {target} exists and differs; the drop-in runs the sitecustomize it shadows "
+              "from later on sys.path, so put that one in another directory, or pass --force", file=sys.stderr)
+        return 1
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    import py_compile
+
+    # Its bytecode too, for this Python: where the directory is read-only or PYTHONDONTWRITEBYTECODE is set,
+    # every start-up would otherwise compile the file again (about 2 ms).
+    py_compile.compile(str(target), doraise=True)
+    print(f"wrote {target}\nswitch it on with: export PYTHONPATH={target.parent.resolve()}${{PYTHONPATH:+:$PYTHONPATH}}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """``offload-shim run [--] CMD [ARG...]``, ``dropin DIR``, ``info`` or ``doctor``; ``--help``, ``run --help``
+    and ``--version`` print and exit 0. ``info`` and ``doctor`` import the package: where that fails, one line
+    says why (exit status 2 for a malformed setting, 1 otherwise)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
+        return run_command(argv[1:])
+    try:
+        args = parser().parse_args(argv)  # help, the version and usage errors, before torch is imported
+    except SystemExit as stop:  # argparse's: 0 after help or the version, 2 for a usage error
+        return stop.code if isinstance(stop.code, int) else 2
+    if args.command == "dropin":
+        return write_dropin(args.directory, args.force)
+    try:
+        with warnings.catch_warnings():  # a malformed variable is reported below, in one line (this process is ours)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            import offload_shim  # noqa: F401 - installs the wrappers, as in a training process
+    except Exception as exc:
+        print(f"offload-shim: {import_failure(exc)}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    return info() if args.command == "info" else doctor(args.backend)
 
 
 def _info() -> int:
@@ -49,7 +187,7 @@ def _info() -> int:
 
 def _malformed_setting() -> int | None:
     """Exit status 2, after one line on standard error naming a malformed ``OFFLOAD_SHIM*`` variable and the values
-    it takes (as ``offload_shim_boot.main`` reports it when importing the package raises); ``None`` where every
+    it takes (as :func:`main` reports it when importing the package raises); ``None`` where every
     variable is well formed."""
     from offload_shim import _config
 
@@ -110,7 +248,6 @@ def _environment_rows(problems: list, notes: list) -> list:
     import wrapt
 
     import offload_shim
-    import offload_shim_boot
     from offload_shim import _config, _devices
 
     accelerator = torch.accelerator.current_accelerator()
@@ -137,7 +274,7 @@ def _environment_rows(problems: list, notes: list) -> list:
 
     entry = [e.value for e in importlib.metadata.entry_points(group="torch.backends") if e.name == "offload_shim"]
     rows.append(("torch.backends entry point", entry[0] if entry else "not registered"))
-    autoload = offload_shim_boot.autoload_enabled()
+    autoload = autoload_enabled()
     rows.append(("TORCH_DEVICE_BACKEND_AUTOLOAD", os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "<unset>: entry points run")))
     dropin = getattr(sys.modules.get("sitecustomize"), "__file__", None)
     has_dropin = hasattr(sys.modules.get("sitecustomize"), "_offload_shim_activate")
@@ -146,7 +283,7 @@ def _environment_rows(problems: list, notes: list) -> list:
     if enabled and not has_dropin and not entry:
         problems.append("OFFLOAD_SHIM is set but the torch.backends entry point is not registered: install the package (pip install)")
     elif enabled and not has_dropin and not autoload:
-        problems.append(offload_shim_boot.AUTOLOAD_OFF)
+        problems.append(AUTOLOAD_OFF)
     if enabled is None and not has_dropin:
         notes.append("OFFLOAD_SHIM is unset: import torch alone does not switch the shim on here (set OFFLOAD_SHIM=1, "
                      "use offload-shim run, import offload_shim, or the drop-in)")
