@@ -287,7 +287,19 @@ def _environment_rows(problems: list, notes: list) -> list:
     if enabled is None and not has_dropin:
         notes.append("OFFLOAD_SHIM is unset: import torch alone does not switch the shim on here (set OFFLOAD_SHIM=1, "
                      "use offload-shim run, import offload_shim, or the drop-in)")
-    rows.append(("installed in this process", offload_shim.is_installed()))
+    if enabled is False:
+        at_import = "does nothing: OFFLOAD_SHIM is false"
+    elif has_dropin:
+        at_import = "switches the shim on (the sitecustomize drop-in)"
+    elif enabled and entry and autoload:
+        at_import = "switches the shim on (OFFLOAD_SHIM, through the torch.backends entry point)"
+    elif enabled:
+        at_import = "does nothing (see the problem below)"
+    else:
+        at_import = "does nothing: OFFLOAD_SHIM is unset (a script's own import offload_shim still switches it on)"
+    rows.append(("import torch in a program here", at_import))
+    rows.append(("installed in this process", "yes, by this command, which imports offload_shim"
+                 if offload_shim.is_installed() else "no: OFFLOAD_SHIM is false"))
 
     defaults = _config.Settings()
     for name in _config.ENVIRONMENT:

@@ -11,10 +11,12 @@ CPU tensors over Gloo) and ``--no-offload`` (parameters stay on the GPU). ``--ou
 ``DIR/<run>.json`` (losses, gradient norms, with their exact bits) and ``DIR/<run>.pt`` (the final parameters,
 gathered by ``full_tensor()``). Model: random init, synthetic tokens from a fixed seed; nothing is downloaded.
 
-On a machine without an accelerator there is nothing to offload from and nothing to stage through. With the shim
-switched on, the script then trains on Gloo ranks twice, once with every collective forced through the shim's
-staging path with host copies and once without the shim, and reports whether the two agree to the bit (exit
-status 1 if not); without the shim it says how to switch it on and exits 0.
+On a machine without an accelerator there is nothing to offload from and nothing to stage through. The script
+then shows torch's failure on a group that serves only the accelerator (``cuda:gloo``, which a CPU-only torch
+accepts, stands in for ``nccl``) and, with the shim switched on, trains on Gloo ranks twice: once with every
+collective forced through the shim's staging path with host copies, once without the shim; it reports whether the
+two agree to the bit (exit status 1 if not). Without the shim it stops after the failure, with exit status 0: the
+demonstration ran (torchrun would bury the message under its own report of a failed rank).
 """
 
 from __future__ import annotations
@@ -131,19 +133,42 @@ def train(args, device: torch.device, rank: int, offload: bool):
     return losses, norms, model
 
 
+def torch_alone_on_an_accelerator_group() -> str:
+    """torch's own error for a CPU tensor (a gradient norm, as ``clip_grad_norm_`` reduces it under FSDP2 offload)
+    on a group whose only backend serves the accelerator: ``cuda:gloo`` here, which has no CPU backend, as a
+    NCCL-only group has none. The shim, if installed, is removed for the call and installed again."""
+    group = dist.new_group(backend="cuda:gloo")
+    shim = sys.modules.get("offload_shim")
+    installed = shim is not None and shim.is_installed()
+    if installed:
+        shim.uninstall()
+    try:
+        dist.all_reduce(torch.tensor(1.0), group=group)
+        return "no error (unexpected)"
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    finally:
+        if installed:
+            shim.install()
+
+
 def main_on_cpu(args) -> int:
-    """Without an accelerator there is nothing to offload from, and nothing to stage through: train on Gloo ranks
-    twice instead, once with every collective forced through the shim's staging path with host copies
-    (``configure(staging_device="cpu", always_stage=True)``: real copies, the collective on the staged tensors,
-    results copied back) and once without the shim, and report whether losses, gradient norms and parameters
-    agree to the bit."""
+    """Without an accelerator there is nothing to offload from, and nothing to stage through: show torch's failure
+    on an accelerator-only group, then train on Gloo ranks twice, once with every collective forced through the
+    shim's staging path with host copies (``configure(staging_device="cpu", always_stage=True)``: real copies, the
+    collective on the staged tensors, results copied back) and once without the shim, and report whether losses,
+    gradient norms and parameters agree to the bit."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    failure = torch_alone_on_an_accelerator_group()
+    if rank == 0:
+        print("torch alone, a CPU tensor's all_reduce on a group that serves only the accelerator (cuda:gloo here, "
+              f"as nccl on a GPU machine):\n  {failure}", flush=True)
     shim = sys.modules.get("offload_shim")
     if shim is None or not shim.is_installed():
         if rank == 0:
-            print("No accelerator here, and offload_shim is not switched on: run with OFFLOAD_SHIM=1 to see it stage "
-                  "this training's collectives through host copies on Gloo ranks.", flush=True)
+            print("offload_shim is not switched on: run with OFFLOAD_SHIM=1 to see it stage this training's "
+                  "collectives (through host copies here, on Gloo ranks, for want of an accelerator).", flush=True)
         dist.destroy_process_group()
         return 0
     cpu = torch.device("cpu")
@@ -168,6 +193,9 @@ def main_on_cpu(args) -> int:
     if rank == 0:
         print(f"{len(full)} parameters gathered with full_tensor() in each run; losses, gradient norms and "
               f"parameters {'bitwise equal' if same else 'DIFFER'} with and without the shim", flush=True)
+        print("On a machine with GPUs the same command trains with CPUOffloadPolicy on a NCCL-only group: without the "
+              "shim clip_grad_norm_ fails with the error above; with it, the CPU tensors are staged through each "
+              "rank's GPU (pinned, non-blocking copies) instead of host copies.", flush=True)
     dist.destroy_process_group()
     return 0 if same else 1
 

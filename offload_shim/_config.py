@@ -65,7 +65,8 @@ ENVIRONMENT = (
     ENV_ENABLE, ENV_STAGING_DEVICE, ENV_ALWAYS_STAGE, ENV_CHUNK_BYTES, ENV_ROUTE_MIN_BYTES, ENV_LOG, ENV_SUMMARY
 )
 
-DEFAULT_CHUNK_BYTES = 16 << 20  # measured: results/gpu/bench.log, chunk sweep
+# measured: results/gpu/2026-12-01-two-h200-gpu-tests-and-benchmark/bench.log, chunk sweep
+DEFAULT_CHUNK_BYTES = 16 << 20
 DEFAULT_ROUTE_MIN_BYTES = 1 << 20  # measured: Gloo beats NCCL staging below about 1 MiB
 
 _TRUE = frozenset({"1", "true", "yes", "on"})

@@ -7,9 +7,10 @@ the tensor is staged, the original collective runs on the staged copy with the c
 result is written back into the caller's own tensor object. Synchronous calls on tensors of at least two chunks,
 whatever their strides, go through the chunked pipeline (``_pipeline``): their size is the same on every rank
 (torch requires it, and the pipeline checks it), so every rank splits them alike. Smaller ones, and every
-``async_op=True`` call, are staged whole: a single chunk costs less so (measured: results/gpu/bench.log), and an
-asynchronous call must not wait for its peers, as the pipeline's agreement check does. ``reduce`` writes back on ``dst`` only: the other ranks' tensors stay as they
-were, as NCCL leaves them (Gloo's own CPU path uses them as scratch).
+``async_op=True`` call, are staged whole: a single chunk costs less so (measured:
+results/gpu/2026-12-01-two-h200-gpu-tests-and-benchmark/bench.log), and an asynchronous call must not wait for its
+peers, as the pipeline's agreement check does. ``reduce`` writes back on ``dst`` only: the other ranks' tensors
+stay as they were, as NCCL leaves them (Gloo's own CPU path uses them as scratch).
 
 Every other tensor collective (gathers, scatters, all-to-all, point-to-point: ``_patch_c10d_lists``,
 ``_patch_p2p``) is wrapped by :func:`staged_arguments_wrapper`, from a table of which parameters the call reads

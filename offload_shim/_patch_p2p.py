@@ -122,7 +122,8 @@ def _p2p_op_init_wrapper(original):
 
 TARGETS = [
     *(
-        Target(MODULE, name, staged_arguments_wrapper(name, {"tensor": role}, {"tensor": CONTIGUOUS_P2P}), aliases=ALIASES)
+        Target(MODULE, name, staged_arguments_wrapper(name, {"tensor": role}, {"tensor": CONTIGUOUS_P2P}),
+               aliases=ALIASES)
         for name, role in POINT_TO_POINT.items()
     ),
     Target(MODULE, "batch_isend_irecv", _batch_wrapper, aliases=ALIASES),

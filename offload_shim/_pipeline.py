@@ -40,7 +40,8 @@ import torch.distributed as dist
 from offload_shim import _config, _devices, _staging
 from offload_shim._devices import StagingError
 
-# Both chosen by measurement (benchmarks/bench_staging.py, results/gpu/bench.log): with pageable memory, bounce
+# Both chosen by measurement (benchmarks/bench_staging.py,
+# results/gpu/2026-12-01-two-h200-gpu-tests-and-benchmark/bench.log): with pageable memory, bounce
 # buffers with threaded host copies beat the runtime's own staged copy (49.7 against 55.5 ms for 256 MiB; it beat
 # them while the copies ran on one thread, as torchrun's OMP_NUM_THREADS=1 leaves torch's own); SLOTS is the
 # number of chunks in flight, so the accelerator footprint is SLOTS chunks.
@@ -52,7 +53,8 @@ MIN_PIPELINED_CHUNKS = 2
 
 # Host copies are split over the copy threads in pieces of at least this size: smaller pieces cost more in thread
 # hand-offs than they gain (measured: 16 threads copied 16 MiB at 12.6 GB/s in 1 MiB pieces, 32.6 GB/s in 4 MiB
-# pieces, 4 threads at 31.9 GB/s; one thread 13.8 GB/s; results/gpu/issue8_parts/parts.log).
+# pieces, 4 threads at 31.9 GB/s; one thread 13.8 GB/s;
+# results/gpu/2026-11-30-two-h200-call-parts/parts.log).
 MIN_THREADED_COPY_BYTES = 4 << 20
 
 

@@ -199,7 +199,8 @@ def stage_small_in_place(tensor: torch.Tensor, device: torch.device, run: Callab
     ``device``), and one blocking D2H copy into the caller's tensor, which is the call's one wait for the device.
     A call that only reads (a broadcast's source, a reduce's other ranks) copies H2D blocking instead, so the
     caller may reuse its tensor on return. No allocation after a thread's first call of a size; no pool, no
-    pipeline, no pinned staging copy (measured no faster for a few bytes: results/gpu/issue8_parts).
+    pipeline, no pinned staging copy (measured no faster for a few bytes:
+    results/gpu/2026-11-30-two-h200-call-parts).
 
     Args:
         reads: whether the collective reads this rank's data (not on a broadcast's receiving ranks).

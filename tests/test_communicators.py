@@ -92,7 +92,7 @@ class StandInCommunicator:
             dist.broadcast(tensor, src, group=self.group)
 
 
-# method: (reads, writes), as README.md registers vLLM's PyNcclCommunicator
+# method: (reads, writes), as docs/reference.md registers vLLM's PyNcclCommunicator
 VLLM_METHODS = {
     "all_reduce": ("in_tensor", "out_tensor"),
     "all_gather": ("input_tensor", "output_tensor"),

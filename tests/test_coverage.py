@@ -1,5 +1,6 @@
-"""README.md's tables of what is wrapped name every collective of the running torch, and what they call staged is
-wrapped: a torch that adds a collective fails here until the table (and the shim) say what happens to it."""
+"""The reference's tables of what is wrapped (docs/reference.md) name every collective of the running torch, and
+what they call staged is wrapped: a torch that adds a collective fails here until the table (and the shim) say what
+happens to it. The docs' tables of variables name every variable the package, its scripts and its tests read."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch.distributed.distributed_c10d as c10d
 
 import offload_shim
 
-README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+ROOT = pathlib.Path(__file__).parent.parent
+REFERENCE = (ROOT / "docs" / "reference.md").read_text()
 # Functions of distributed_c10d that take a group but move no tensor between ranks.
 NOT_COLLECTIVES = {
     "destroy_process_group", "get_backend_config", "get_backend", "get_rank", "get_world_size", "new_subgroups",
@@ -40,11 +42,11 @@ def functional_collectives() -> set[str]:
 
 
 def table_rows(heading: str) -> dict[str, str]:
-    """The rows of the README table whose first header cell is ``heading``: each backticked name of the first
+    """The rows of the reference's table whose first header cell is ``heading``: each backticked name of the first
     column, mapped to the second column."""
-    start = README.index(f"| `{heading}` |")
+    start = REFERENCE.index(f"| `{heading}` |")
     rows = {}
-    for line in README[start:].splitlines()[2:]:
+    for line in REFERENCE[start:].splitlines()[2:]:
         if not line.startswith("|"):
             break
         first, second = line.split("|")[1:3]
@@ -78,14 +80,14 @@ def test_what_the_table_calls_staged_is_wrapped():
             assert f"{funcol.__name__}.{name}" in wrapped, name
 
 
-def test_readme_tables_name_every_variable():
+def test_docs_tables_name_every_variable():
     """Every variable offload_shim reads (``_config.ENVIRONMENT``) and every one its tests, benchmarks, examples
-    and CI read has a row (or a line) in README.md's tables of variables."""
+    and CI read has a row (or a line) in the docs' tables of variables: docs/operations.md for users',
+    CONTRIBUTING.md for the tests' and scripts'."""
     from offload_shim import _config
 
-    root = pathlib.Path(__file__).parent.parent
-    sources = [*root.glob("tests/*.py"), *root.glob("benchmarks/*.py"), *root.glob("examples/**/*.py"),
-               *root.glob("examples/*.sh"), root / ".ci" / "run"]
+    sources = [*ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/**/*.py"),
+               *ROOT.glob("examples/*.sh"), ROOT / ".ci" / "run"]
     read = set(_config.ENVIRONMENT)
     for source in sources:
         text = source.read_text()
@@ -93,6 +95,8 @@ def test_readme_tables_name_every_variable():
             read |= set(re.findall(r"\b(OFFLOAD_SHIM\w*)", text))  # every variable of ours, wherever it is read
         read |= set(re.findall(r"environ(?:\.get)?\(?\[?\"([A-Z_]+)\"", text))  # os.environ reads in Python
         read |= set(re.findall(r"\$\{([A-Z_]+)", text))  # parameter expansions in shell scripts
-    rows = set(re.findall(r"`([A-Z_]+)`", README))
-    commonplace = {"PYTHONPATH", "PIPESTATUS", "OUT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"}  # Python, bash, the device tool, torchrun
-    assert sorted(read - rows - commonplace) == []
+    documented = set(re.findall(r"`([A-Z_]+)`", (ROOT / "docs" / "operations.md").read_text()))
+    documented |= set(re.findall(r"`([A-Z_]+)`", (ROOT / "CONTRIBUTING.md").read_text()))
+    # Python's, bash's, the device tool's, and torchrun's own (it sets them in every rank).
+    commonplace = {"PYTHONPATH", "PIPESTATUS", "OUT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "GROUP_RANK"}
+    assert sorted(read - documented - commonplace) == []

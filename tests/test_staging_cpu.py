@@ -340,7 +340,7 @@ def check_full_tensor_chunked():
 
     chunk = 64
     flat = init_device_mesh("cpu", (2,), mesh_dim_names=("ft_flat",))
-    # Distinct dim names: DeviceMesh equality ignores process groups (see the README).
+    # Distinct dim names: DeviceMesh equality ignores process groups (docs/reference.md).
     square = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ft_replicate", "ft_shard"))
     f32, bf16 = torch.float32, torch.bfloat16
     cases = [  # shape, dtype, mesh, placements, full_tensor's arguments, chunked gathers (steps) expected
@@ -521,7 +521,7 @@ def check_routing(threshold):
                 asked = []
                 with recording_staging() as devices:
                     call()
-                decisions[name] = (asked[-1] if asked else None, devices == ["cpu"])
+                decisions[name] = (asked[0] if asked else None, devices == ["cpu"])  # the family's own decision
     finally:
         _devices.staging_device_for = decide
     return rank, decisions
