@@ -59,15 +59,21 @@ def gloo_ranks():
     pool.close()
 
 
-@pytest.fixture(scope="module")
-def accelerator_ranks():
-    """Two ranks, one accelerator each, of a group whose only backend is the accelerator's (NCCL on CUDA). Per
-    module: GPU test files that start torchrun or pools of their own run while none is alive."""
+def accelerator_rank_pool(world_size: int) -> RankPool:
+    """``world_size`` ranks, each on accelerator ``rank % device_count``, of a group whose only backend is the
+    accelerator's (NCCL on CUDA)."""
     import torch
     import torch.distributed as dist
 
     backend = dist.Backend.default_device_backend_map[torch.accelerator.current_accelerator().type]
-    pool = RankPool(world_size=2, backend=backend, timeout=300)
+    return RankPool(world_size=world_size, backend=backend, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def accelerator_ranks():
+    """Two ranks, one accelerator each (see :func:`accelerator_rank_pool`). Per module: GPU test files that start
+    torchrun or pools of their own run while none is alive."""
+    pool = accelerator_rank_pool(2)
     yield pool
     pool.close()
 

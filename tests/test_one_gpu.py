@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 import offload_shim
 from bitwise import same_bits
+from conftest import accelerator_rank_pool
 from observe import configured
 from ranks import RankPool
-from test_torch_semantics_cpu import COMPILED
+from test_torch_semantics_cpu import COMPILED, opposite_orders
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,8 +40,7 @@ GLOO_CUDA_FUNCTIONAL = {"all_gather_into_tensor", "all_gather", "reduce_scatter_
 @pytest.fixture(scope="module")
 def nccl_rank():
     """One rank of a group whose only backend is the accelerator's (NCCL on CUDA)."""
-    backend = dist.Backend.default_device_backend_map[torch.accelerator.current_accelerator().type]
-    pool = RankPool(world_size=1, backend=backend, timeout=300)
+    pool = accelerator_rank_pool(1)
     yield pool
     pool.close()
 
@@ -113,13 +113,7 @@ def check_async_call_never_waits_for_peers(numel, pinned):
     offload_shim.install()
     offload_shim.reset_staging_counters()
     with configured(chunk_bytes=1 << 16):  # the synchronous call is pipelined: numel * 4 bytes is several chunks
-        if dist.get_rank() == 0:
-            work = dist.all_reduce(x, group=a, async_op=True)
-            dist.all_reduce(y, group=b)
-            work.wait()
-        else:
-            dist.all_reduce(y, group=b)
-            dist.all_reduce(x, group=a, async_op=True).wait()
+        opposite_orders(x, y, a, b)
     modes = sorted(key.mode for key in offload_shim.staging_counters())
     assert modes == ["pipelined", "whole"], modes
     assert same_bits(x, expected[0]) and same_bits(y, expected[1])

@@ -170,6 +170,18 @@ def test_compiled_first_on_fresh_groups(gloo_ranks, backend, forced):
 # ---------------------------------------------------------------- asynchronous calls never wait for peers
 
 
+def opposite_orders(x, y, a, b) -> None:
+    """Rank 0 posts an async all_reduce of ``x`` on group ``a``, then a sync one of ``y`` on group ``b``; the other
+    ranks do ``b``, then ``a``. torch completes both."""
+    if dist.get_rank() == 0:
+        work = dist.all_reduce(x, group=a, async_op=True)
+        dist.all_reduce(y, group=b)
+        work.wait()
+    else:
+        dist.all_reduce(y, group=b)
+        dist.all_reduce(x, group=a, async_op=True).wait()
+
+
 def check_async_call_never_waits_for_peers(numel):
     """Rank 0 posts an async all_reduce on group A, then a sync one on group B; rank 1 does B, then A. torch
     completes both; a staged async call that waited for its peers (a pipeline's agreement, a chunk's wait) would
@@ -179,13 +191,7 @@ def check_async_call_never_waits_for_peers(numel):
     expected_x, expected_y = _unstaged(lambda t: dist.all_reduce(t, group=a), x)[0], _unstaged(
         lambda t: dist.all_reduce(t, group=b), y)[0]
     with staging_through_cpu(chunk_bytes=64) as devices:  # 16 float32 a chunk: the sync call is pipelined
-        if dist.get_rank() == 0:
-            work = dist.all_reduce(x, group=a, async_op=True)
-            dist.all_reduce(y, group=b)
-            work.wait()
-        else:
-            dist.all_reduce(y, group=b)
-            dist.all_reduce(x, group=a, async_op=True).wait()
+        opposite_orders(x, y, a, b)
     assert devices == ["cpu", "cpu"]
     assert same_bits(x, expected_x) and same_bits(y, expected_y)
 
