@@ -43,6 +43,15 @@ _log = logging.getLogger("offload_shim")
 READ, WRITE, READ_WRITE = "read", "write", "read-write"
 
 
+def refuse_as_torch(refusal: Callable, tensors) -> None:
+    """Raise what ``refusal`` (one of :data:`AUTOGRAD_WRITTEN`, :data:`CONTIGUOUS`, :data:`CONTIGUOUS_P2P`) finds
+    torch would raise for one of ``tensors``, if any."""
+    for tensor in tensors:
+        error = refusal(tensor)
+        if error is not None:
+            raise error
+
+
 def _contiguous_only(error: type, message: str):
     def refusal(tensor: torch.Tensor) -> Exception | None:
         return None if tensor.is_contiguous() else error(message)
@@ -181,10 +190,7 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
             if device is None:
                 return wrapped(*args, **kwargs)
             for param, refusal in refusals.items():
-                for tensor in _tensors([values[param]]):
-                    error = refusal(tensor)
-                    if error is not None:
-                        raise error
+                refuse_as_torch(refusal, _tensors([values[param]]))
             nbytes = _counters.host_bytes(tensors)
             try:
                 staged = _staging.StagedArguments(device)

@@ -20,7 +20,15 @@ import torch.distributed as dist
 import functools
 
 from offload_shim import _counters, _devices, _staging
-from offload_shim._patch_c10d import ALIASES, CONTIGUOUS_P2P, MODULE, READ, WRITE, staged_arguments_wrapper
+from offload_shim._patch_c10d import (
+    ALIASES,
+    CONTIGUOUS_P2P,
+    MODULE,
+    READ,
+    WRITE,
+    refuse_as_torch,
+    staged_arguments_wrapper,
+)
 from offload_shim._patching import Parameters, Target, unwrap_ours
 
 POINT_TO_POINT = {"send": READ, "isend": READ, "recv": WRITE, "irecv": WRITE}
@@ -40,10 +48,7 @@ def _batch_wrapper(original):
             device = _devices.staging_device_for_call(tensors, group, BATCH)
         if device is None:
             return wrapped(operations)
-        for tensor in tensors:
-            error = CONTIGUOUS_P2P(tensor)
-            if error is not None:
-                raise error
+        refuse_as_torch(CONTIGUOUS_P2P, tensors)
         nbytes = _counters.host_bytes(tensors)
         try:
             return _staged_batch(wrapped, operations, device)

@@ -120,8 +120,8 @@ def inplace_refusal(tensor: torch.Tensor) -> Exception | None:
     if tensor.is_inference() and not torch.is_inference_mode_enabled():
         with torch.inference_mode():
             probe = torch.empty(0)
-    elif tensor.requires_grad and torch.is_grad_enabled() and (tensor.is_leaf or tensor._is_view() and tensor._base.is_leaf):
-        probe = torch.empty(1, requires_grad=True)
+    elif tensor.requires_grad and torch.is_grad_enabled() and (tensor.is_leaf or getattr(tensor._base, "is_leaf", 0)):
+        probe = torch.empty(1, requires_grad=True)  # a leaf, or for a view of one a view of it
         probe = probe if tensor.is_leaf else probe[:0]
     else:
         return None
