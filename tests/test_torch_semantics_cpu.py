@@ -296,7 +296,10 @@ def check_refused_like_torch(kind):
                 error = _error(call)
             assert not offload_shim.staging_counters(), name  # refused before anything was staged
             assert error is not None and error[0] is refused[name][0], (name, error, refused[name])
-            if name != "all_gather_into_tensor":  # Gloo's own copy, into a split view, words it differently
+            # Gloo's own copy into a split view words all_gather_into_tensor's differently; torch 2.11's Gloo has
+            # no list all_to_all at all ("Backend gloo does not support alltoall"), where the staged call, for a
+            # backend that has one, refuses the output as 2.13's Gloo does.
+            if name != "all_gather_into_tensor" and "does not support" not in refused[name][1]:
                 assert error == refused[name], (name, error, refused[name])
             assert all(torch.equal(o, torch.zeros(4)) for o in outs or []), name
         _each_rank_done(f"refused/{kind}/staged/{name}")
@@ -412,7 +415,12 @@ def check_staged_handle_answers_as_torch():
         answers.append(_answers(work))
         if rank == 1:
             assert torch.equal(tensor, torch.zeros(3))
-    assert answers[0] == answers[1], answers
+    torch_own, staged = answers
+    if isinstance(torch_own["exception"], tuple) and "exception_ptr" in torch_own["exception"][1]:
+        # torch 2.11's Work.exception() cannot convert its own return value (a TypeError, whatever happened); a
+        # staged handle answers what torch means: no exception.
+        torch_own["exception"] = None
+    assert torch_own == staged, answers
     return answers[1]["_source_rank"]
 
 
