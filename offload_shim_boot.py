@@ -56,7 +56,7 @@ def activate(asked_by: str) -> None:
     global _warned
     if reason and not _warned:
         _warned = True
-        _warn_at_program(f"offload_shim is not enabled: {reason} [asked for by {asked_by}]")
+        warn_at_program(f"offload_shim is not enabled: {reason} [asked for by {asked_by}]")
 
 
 def _not_a_package() -> str | None:
@@ -114,7 +114,7 @@ def not_installed_reason(module) -> str | None:
     return None  # installed, then uninstall()ed: the caller's own choice
 
 
-def _warn_at_program(message: str) -> None:
+def warn_at_program(message: str) -> None:
     """A ``RuntimeWarning`` located at the program's own line that led here (its ``import torch``): the first frame
     outside offload_shim's start-up, the drop-in, torch and the import system; not at a line of ours, which the
     warning would echo as its source."""

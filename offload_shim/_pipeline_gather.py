@@ -146,6 +146,13 @@ def plan(instance, device: torch.device) -> Plan | None:
     return dataclasses.replace(result, laid_out=local_shape == (result.shard(result.index)[1], *shape[1:]))
 
 
+
+def _gather_into(output, input, **kwargs):
+    """torch's gather of each rank's ``input`` into ``output``, by its current name (``all_gather_single``; 2.11 has
+    only ``all_gather_into_tensor``, which 2.13 deprecates with a warning torch's own calls never give)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, **kwargs)
+
 def full_tensor(instance, plan: Plan) -> torch.Tensor:
     """``instance.full_tensor()`` gathered in chunks (see the module docstring): a new host tensor.
 
@@ -233,7 +240,7 @@ def _run_steps(pool, local: torch.Tensor, result: torch.Tensor, plan: Plan) -> N
                     f"{plan.world} ranks gives it (torch.chunk's layout). No rank gathered; the shards are unchanged."
                 )
         with _current(pool.h2d):
-            work = dist.all_gather_into_tensor(slot, parts[plan.index], group=plan.group, async_op=True)
+            work = _gather_into(slot, parts[plan.index], group=plan.group, async_op=True)
         with _current(pool.d2h):
             work.wait()  # the D2H stream waits on the gather (Gloo: the gather has finished)
             for r, (start, rows) in enumerate(shards):

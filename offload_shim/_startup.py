@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import warnings
 
 from offload_shim import _config
 
@@ -65,7 +64,7 @@ def _activate() -> bool:
         try:  # the settings still apply to a later install(); switched off, a bad one only warns
             _config.load_environment()
         except _config.ConfigError as exc:
-            warnings.warn(f"offload_shim: {exc}; default settings kept", RuntimeWarning, stacklevel=4)
+            _warn(f"offload_shim: {exc}; default settings kept")
         return False
     _config.load_environment()
     _log_to_stderr(_config.log_level_from_environment())
@@ -74,11 +73,19 @@ def _activate() -> bool:
     # Settings that would be ignored without a word: misspelt names, and those that cannot act here.
     ignored = _config.unknown_variables() + _config.inert_settings(_config.settings(), torch.accelerator.is_available())
     for message in ignored:
-        warnings.warn(f"offload_shim: {message}", RuntimeWarning, stacklevel=4)
+        _warn(f"offload_shim: {message}")
     from offload_shim import install
 
     install()
     return True
+
+
+def _warn(message: str) -> None:
+    """A start-up ``RuntimeWarning`` at the program's line that imported torch or offload_shim, as the start-up
+    module's own warnings are (imported here, when there is something to warn about: it imports nothing)."""
+    from offload_shim_boot import warn_at_program
+
+    warn_at_program(message)
 
 
 def _log_to_stderr(level: int | None) -> None:
