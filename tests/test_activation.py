@@ -207,6 +207,10 @@ def test_torchrun_with_offload_shim_1(tmp_path):
         assert line.startswith(f"rank {rank} StagingError offload_shim: torch.distributed.all_reduce got a tensor on cpu")
         assert line.endswith("| tensor [1.0, 1.0, 1.0, 1.0]")
     site = f"{tmp_path / 'train.py'}:{TRAIN.splitlines().index('    dist.all_reduce(torch.ones(2), group=gloo)') + 1}"
+    # torchrun's own process imports torch with the same environment, and does not switch the shim on: the two
+    # ranks alone say they installed it, and every line names its rank.
+    installed = re.findall(r"^\[rank (\d) pid \d+\] offload_shim \S+: installed", stderr, re.M)
+    assert sorted(installed) == ["0", "1"] and "[rank -" not in stderr and "[pid " not in stderr, stderr
     logged = sorted(re.sub(r"pid \d+", "pid P", line) for line in stderr.splitlines() if "first staged call" in line)
     assert logged == [
         f"[rank {rank} pid P] offload_shim: first staged call at {site}: torch.distributed.all_reduce, 8 B, route "
@@ -221,6 +225,16 @@ def test_torchrun_with_offload_shim_1(tmp_path):
     assert header == "op                            route   mode   calls  bytes   seconds"
     assert re.fullmatch(r"torch\.distributed\.all_reduce  forced  small      2   16 B  0\.\d{6}", row), row
     assert re.fullmatch(r"total                                            2   16 B  0\.\d{6}", total), total
+
+
+@pytest.mark.skipif(__import__("torch").accelerator.is_available(), reason="needs a machine without an accelerator")
+def test_torchrun_warns_once_per_rank_at_the_scripts_line(tmp_path):
+    """A malformed OFFLOAD_SHIM under torchrun: one warning in each rank (none from torchrun's own process), located
+    at the script's import torch line, the line itself echoed (not a line of the shim's)."""
+    _, stderr = torchrun(tmp_path, {"OFFLOAD_SHIM": "maybe"})
+    warning = re.compile(rf"^{re.escape(str(tmp_path / 'train.py'))}:2: RuntimeWarning: offload_shim is not enabled: "
+                         r"OFFLOAD_SHIM='maybe' is not a boolean: .*\n\s+import os, time, torch, torch\.distributed as dist$", re.M)
+    assert len(warning.findall(stderr)) == 2 and stderr.count("offload_shim is not enabled") == 2, stderr
 
 
 @pytest.fixture

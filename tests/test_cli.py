@@ -118,3 +118,17 @@ def test_run_warns_when_torch_runs_no_entry_points():
     assert out.returncode == 0 and out.stdout.strip() == "ran"
     assert out.stderr.startswith("offload-shim run: warning: TORCH_DEVICE_BACKEND_AUTOLOAD is not 1, so torch runs no "
                                  "torch.backends entry point"), out.stderr
+
+
+def test_doctor_says_who_installed_the_shim():
+    """doctor imports offload_shim, which installs the wrappers in its own process: it says so, and says separately
+    what import torch does in a program here."""
+    unset = cli("doctor")
+    assert "installed in this process        yes, by this command, which imports offload_shim\n" in unset.stdout
+    assert "import torch in a program here   does nothing: OFFLOAD_SHIM is unset" in unset.stdout
+    asked = cli("doctor", env={"OFFLOAD_SHIM": "1"})
+    assert ("import torch in a program here   switches the shim on (OFFLOAD_SHIM, through the torch.backends entry "
+            "point)\n") in asked.stdout
+    off = cli("doctor", env={"OFFLOAD_SHIM": "0"})
+    assert "installed in this process        no: OFFLOAD_SHIM is false\n" in off.stdout
+    assert "import torch in a program here   does nothing: OFFLOAD_SHIM is false\n" in off.stdout

@@ -127,6 +127,7 @@ def test_readme_cpu_commands_run_as_written(tmp_path):
     for command in commands:
         result = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
         assert result.returncode == 0, f"{command}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+        assert "Failed to initialize NumPy" not in result.stderr, "the README's set-up installs NumPy"
         outputs.append(result.stdout)
     failure, staged, doctor, doctor_ranks = outputs
     assert "  RuntimeError: No backend type associated with device type cpu\n" in failure
