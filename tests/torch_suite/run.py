@@ -40,7 +40,7 @@ def outcomes(world_size: int, expression: str, staged: bool) -> tuple[dict[str, 
         report = pathlib.Path(directory) / "report.xml"
         env["TEMP_DIR"] = directory
         run = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-o",
+            [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o", "addopts=", "-o",
              "python_files=*.py", str(HERE / "distributed_tests.py"), "-k", expression, f"--junitxml={report}"],
             env=env, cwd=directory, check=False, capture_output=True, text=True,
         )
