@@ -147,11 +147,13 @@ def plan(instance, device: torch.device) -> Plan | None:
 
 
 
+# torch's gather of each rank's part into one tensor, by its current name: ``all_gather_single`` (2.13); 2.11 has
+# only ``all_gather_into_tensor``, which 2.13 deprecates with a warning torch's own calls never give.
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 def _gather_into(output, input, **kwargs):
-    """torch's gather of each rank's ``input`` into ``output``, by its current name (``all_gather_single``; 2.11 has
-    only ``all_gather_into_tensor``, which 2.13 deprecates with a warning torch's own calls never give)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, **kwargs)
+    return getattr(dist, GATHER)(output, input, **kwargs)
 
 def full_tensor(instance, plan: Plan) -> torch.Tensor:
     """``instance.full_tensor()`` gathered in chunks (see the module docstring): a new host tensor.

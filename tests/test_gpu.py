@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import offload_shim
+from offload_shim import _pipeline_gather
 from bitwise import same_bits
 from observe import configured, counting_calls
 
@@ -209,7 +210,7 @@ def full_tensor_chunked(chunk_mib: int):
         rows = chunk // (2 * 4096 * dtype.itemsize)
         steps = -(-4096 // rows)
         dist.barrier()
-        with shim(), configured(chunk_bytes=chunk), counting_calls(dist, "all_gather_into_tensor") as gathers:
+        with shim(), configured(chunk_bytes=chunk), counting_calls(dist, _pipeline_gather.GATHER) as gathers:
             offload_shim.release_buffers()  # the call makes its pool: its slots count
             torch.accelerator.synchronize()
             torch.cuda.reset_peak_memory_stats(device)

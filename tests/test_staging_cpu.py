@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 import offload_shim
 from bitwise import same_bits
 from observe import configured, counting_calls, recording_staging
-from offload_shim import _devices, _pipeline, _staging
+from offload_shim import _devices, _pipeline, _pipeline_gather, _staging
 
 # ---------------------------------------------------------------- helpers run inside the ranks
 
@@ -369,7 +369,7 @@ def check_full_tensor_chunked():
         local = sharded.to_local()
         before, pointer = local.clone(), local.data_ptr()
         expected = sharded.full_tensor(**kwargs)  # torch's own: Gloo serves the CPU
-        with staging_through_cpu(chunk_bytes=chunk) as devices, counting_calls(dist, "all_gather_into_tensor") as gathers:
+        with staging_through_cpu(chunk_bytes=chunk) as devices, counting_calls(dist, _pipeline_gather.GATHER) as gathers:
             plan = _pipeline_gather.plan(sharded, torch.device("cpu"))
             poison_staging_buffers()
             got = sharded.full_tensor(**kwargs)
@@ -390,7 +390,7 @@ def check_full_tensor_chunked():
         for stage in (False, True):
             leaf = distribute_tensor(full, mesh, placements).requires_grad_()
             with staging_through_cpu(chunk_bytes=chunk) if stage else contextlib.nullcontext():
-                with counting_calls(dist, "all_gather_into_tensor") as gathers:
+                with counting_calls(dist, _pipeline_gather.GATHER) as gathers:
                     out = leaf.full_tensor(**kwargs)
                     with torch.no_grad():
                         out_no_grad = leaf.full_tensor(**kwargs)
@@ -405,7 +405,7 @@ def check_full_tensor_chunked():
     rank = dist.get_rank()
     sharded = distribute_tensor(same_input((64,), f32, seed=0), flat, [Shard(0)])
     # Ranks that disagree on the chunk size (both pipelined): every rank raises before any gather.
-    with staging_through_cpu(chunk_bytes=32 if rank == 0 else 64), counting_calls(dist, "all_gather_into_tensor") as gathers:
+    with staging_through_cpu(chunk_bytes=32 if rank == 0 else 64), counting_calls(dist, _pipeline_gather.GATHER) as gathers:
         with pytest.raises(offload_shim.StagingError, match="disagree.*chunk sizes"):
             sharded.full_tensor()
     assert gathers == []
@@ -414,7 +414,7 @@ def check_full_tensor_chunked():
         mislaid = DTensor.from_local(
             torch.zeros(rows[rank], 40), flat, [Shard(0)], run_check=False, shape=(4, 40), stride=(40, 1)
         )
-        with staging_through_cpu(chunk_bytes=chunk), counting_calls(dist, "all_gather_into_tensor") as gathers:
+        with staging_through_cpu(chunk_bytes=chunk), counting_calls(dist, _pipeline_gather.GATHER) as gathers:
             message = "disagree" if rows[0] == 2 else "not the .* that torch's Shard.0. .* gives it"
             with pytest.raises(offload_shim.StagingError, match=message):
                 mislaid.full_tensor()
