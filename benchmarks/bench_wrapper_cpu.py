@@ -4,10 +4,12 @@ served-path figure; ``bench_staging.py``'s ``served`` section gives it on two GP
 
     python benchmarks/bench_wrapper_cpu.py [--calls 2000] [--rounds 30] [--out FILE.json]
 
-One process, a one-rank Gloo group: blocks of ``--calls`` calls alternate with the shim installed and
-uninstalled; each block's CPU time of the calling thread per call is taken, and each side's minimum over the
-rounds is kept (means are too noisy on a shared machine). Cases: ``all_reduce`` and ``all_gather_into_tensor``
-of a one-element CPU tensor on that group, which serves CPU (the wrappers decide and pass the call on). Counting:
+One process, a one-rank Gloo group: blocks of ``--calls`` calls alternate between three sides: the shim installed,
+uninstalled, and uninstalled with a wrapt ``FunctionWrapper`` that only passes the call on bound in its place (the
+wrapping library's own share of the shim's cost); each block's CPU time of the calling thread per call is taken, and
+each side's minimum over the rounds is kept (means are too noisy on a shared machine). Cases: ``all_reduce`` and
+``all_gather_into_tensor`` of a one-element CPU tensor on that group, which serves CPU (the wrappers decide and pass
+the call on). Counting:
 what a staged call runs to be counted, the decision's record and the count (``_counters.decided`` and
 ``_counters.count``, the logger not enabled for INFO), in blocks of ``--calls``, the minimum over the rounds.
 """
@@ -37,21 +39,34 @@ def measure(calls: int, rounds: int) -> dict:
         "all_reduce": lambda: dist.all_reduce(tensor),
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(gathered, tensor),
     }
+    import wrapt
+
+    def passing_on(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
     results = {}
     for name, call in cases.items():
-        best = {True: float("inf"), False: float("inf")}
+        sides = ("shim", "off", "wrapt")
+        best = dict.fromkeys(sides, float("inf"))
         for round_ in range(rounds + 1):
-            for installed in (True, False) if round_ % 2 else (False, True):
-                offload_shim.install() if installed else offload_shim.uninstall()
+            for side in sides if round_ % 2 else sides[::-1]:
+                offload_shim.install() if side == "shim" else offload_shim.uninstall()
+                original = getattr(dist, name)
+                if side == "wrapt":
+                    setattr(dist, name, wrapt.FunctionWrapper(original, passing_on))
                 start = time.thread_time()
                 for _ in range(calls):
                     call()
+                elapsed = time.thread_time() - start
+                setattr(dist, name, original)
                 if round_:  # round 0 is warm-up
-                    best[installed] = min(best[installed], (time.thread_time() - start) / calls)
+                    best[side] = min(best[side], elapsed / calls)
         results[name] = {
-            "shim_on_cpu_us_per_call": best[True] * 1e6,
-            "shim_off_cpu_us_per_call": best[False] * 1e6,
-            "added_cpu_us_per_call": (best[True] - best[False]) * 1e6,
+            "shim_on_cpu_us_per_call": best["shim"] * 1e6,
+            "shim_off_cpu_us_per_call": best["off"] * 1e6,
+            "added_cpu_us_per_call": (best["shim"] - best["off"]) * 1e6,
+            "wrapt_alone_added_cpu_us_per_call": (best["wrapt"] - best["off"]) * 1e6,
+            "shim_beyond_wrapt_cpu_us_per_call": (best["shim"] - best["wrapt"]) * 1e6,
         }
     offload_shim.install()
     dist.destroy_process_group()
@@ -88,7 +103,9 @@ def main(argv=None) -> dict:
     for name, r in results["cases"].items():
         print(f"{name}, one element, one-rank Gloo group, minimum of {args.rounds} rounds of {args.calls} calls: "
               f"CPU time per call {r['shim_on_cpu_us_per_call']:.2f} us with the shim, {r['shim_off_cpu_us_per_call']:.2f} us "
-              f"without, added {r['added_cpu_us_per_call']:.2f} us")
+              f"without, added {r['added_cpu_us_per_call']:.2f} us, of which a wrapt pass-through wrapper alone "
+              f"{r['wrapt_alone_added_cpu_us_per_call']:.2f} us and the shim beyond it "
+              f"{r['shim_beyond_wrapt_cpu_us_per_call']:.2f} us")
     print(f"counting a staged call (decision's record and count), minimum of {args.rounds} rounds of {args.calls}: "
           f"CPU time {results['counting_cpu_us_per_staged_call']:.2f} us")
     if args.out:

@@ -67,6 +67,31 @@ def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
     return served
 
 
+_last_host_answer: tuple = (lambda: None, None, False)  # (weak reference to a group, the settings then, the answer)
+
+
+def host_calls_served(group: dist.ProcessGroup) -> bool:
+    """Whether every call on ``group`` goes to torch untouched, whatever its host tensors, under the current
+    settings: the group serves CPU through the same backend as every other device type it serves (a plain Gloo
+    group: no other backend to route a host tensor to, none to stage a mixed call's host tensors through), and
+    ``always_stage`` is off. The served path's first question about a group: the answer for the last group and
+    settings asked is kept, so a call on a Gloo group costs two identity checks more than torch's."""
+    global _last_host_answer
+    settings = _config.settings()
+    last, last_settings, answer = _last_host_answer
+    if last() is group and last_settings is settings:
+        return answer
+    cpu = backend_for(group, "cpu")
+    answer = cpu is not None and not settings.always_stage and all(
+        backend_for(group, t) == cpu for t in served_device_types(group)
+    )
+    try:
+        _last_host_answer = (weakref.ref(group), settings, answer)
+    except TypeError:  # a group type without weak references: not remembered
+        pass
+    return answer
+
+
 def backend_description(group: dist.ProcessGroup) -> str:
     """The group's backend configuration as torch names it, e.g. ``'nccl'`` or ``'cpu:gloo,cuda:nccl'``."""
     try:

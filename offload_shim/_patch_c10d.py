@@ -107,7 +107,7 @@ def _in_place_wrapper(collective: str):
             if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu:
                 return wrapped(*args, **kwargs)
             group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
-            if group is None:
+            if group is None or _devices.host_calls_served(group):
                 return wrapped(*args, **kwargs)
             nbytes = tensor.numel() * tensor.element_size()  # the same on every rank (Tensor.nbytes fails if sparse)
             device = _devices.staging_device_for(tensor, group, name, nbytes)
@@ -179,13 +179,20 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
 
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
-            values = {param: args[at] if len(args) > at else kwargs.get(param) for param, at in positions}
-            if not _any_host_tensor(values.values()):  # sparse ones too: refused clearly below
+            for param, at in positions:
+                value = args[at] if len(args) > at else kwargs.get(param)
+                if isinstance(value, torch.Tensor):
+                    if value.is_cpu:  # sparse ones too: refused clearly below
+                        break
+                elif isinstance(value, (list, tuple)) and _any_host_tensor(value):
+                    break
+            else:  # no host tensor
                 return wrapped(*args, **kwargs)
-            tensors = list(_tensors(values.values()))
             group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
-            if group is None:
+            if group is None or _devices.host_calls_served(group):
                 return wrapped(*args, **kwargs)
+            values = {param: args[at] if len(args) > at else kwargs.get(param) for param, at in positions}
+            tensors = list(_tensors(values.values()))
             device = _devices.staging_device_for_call(tensors, group, name)
             if device is None:
                 return wrapped(*args, **kwargs)

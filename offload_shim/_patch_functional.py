@@ -58,7 +58,7 @@ def _functional_wrapper(collective: str, input_name: str):
             group = _devices.resolve_functional_group(
                 parameters.get(args, kwargs, "group"), parameters.get(args, kwargs, "tag", "")
             )
-            if group is None:
+            if group is None or _devices.host_calls_served(group):
                 return wrapped(*args, **kwargs)
             if collective in SAME_SIZE_ON_EVERY_RANK:
                 device = _devices.staging_device_for(value, group, name, value.numel() * value.element_size())

@@ -486,8 +486,9 @@ def check_routing(threshold):
     """Routing by size is decided from what every rank shares: each family's decision gets the size every rank
     sees (an all_reduce's or broadcast's tensor, a DTensor's global size however its shards differ), or none where
     sizes may differ per rank (a gather's input: never routed). Returns, per call, the ``route_bytes`` its decision
-    got and whether it was staged. On a plain Gloo group nothing is routed, even with a staging device set: routing
-    pays only through an accelerator on another backend (``cpu:gloo,cuda:nccl``; the GPU tests)."""
+    got. Staging is forced (``always_stage``): on a plain Gloo group the decision is not even asked otherwise, since
+    nothing is routed there (routing pays only through an accelerator on another backend, ``cpu:gloo,cuda:nccl``;
+    the GPU tests)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -500,28 +501,23 @@ def check_routing(threshold):
         asked.append(route_bytes)
         return decide(tensor, group, collective, route_bytes)
 
+    uneven = distribute_tensor(torch.ones(2 * (threshold // 4) - 1), init_device_mesh("cpu", (2,)), [Shard(0)])
     _devices.staging_device_for = recording
     try:
-        with configured(staging_device="cpu", route_min_bytes=threshold):
+        with configured(staging_device="cpu", always_stage=True, route_min_bytes=threshold):
             for name, call in (
                 ("small_all_reduce", lambda: dist.all_reduce(torch.ones(threshold // 4 - 1))),
                 ("large_all_reduce", lambda: dist.all_reduce(torch.ones(threshold // 4))),
                 ("large_broadcast", lambda: dist.broadcast(torch.ones(threshold // 4), src=0)),
                 ("functional_all_reduce", lambda: funcol.all_reduce(torch.ones(threshold // 4), "sum", dist.group.WORLD)),
                 # Unequal sizes per rank: only the global size may decide.
-                (
-                    "uneven_full_tensor",
-                    lambda: distribute_tensor(
-                        torch.ones(2 * (threshold // 4) - 1), init_device_mesh("cpu", (2,)), [Shard(0)]
-                    ).full_tensor(),
-                ),
+                ("uneven_full_tensor", uneven.full_tensor),
                 # A gather's input size may differ per rank: never routed by size.
                 ("all_gather_single", lambda: funcol.all_gather_single(torch.ones(threshold), 0, dist.group.WORLD)),
             ):
                 asked = []
-                with recording_staging() as devices:
-                    call()
-                decisions[name] = (asked[0] if asked else None, devices == ["cpu"])  # the family's own decision
+                call()
+                decisions[name] = asked[0] if asked else "not asked"  # the family's own decision
     finally:
         _devices.staging_device_for = decide
     return rank, decisions
@@ -530,12 +526,12 @@ def check_routing(threshold):
 def test_routing_by_size_takes_the_same_route_on_every_rank(gloo_ranks):
     (_, decisions0), (_, decisions1) = gloo_ranks.run(check_routing, 4096)
     assert decisions0 == decisions1 == {
-        "small_all_reduce": (4092, False),
-        "large_all_reduce": (4096, False),
-        "large_broadcast": (4096, False),
-        "functional_all_reduce": (4096, False),
-        "uneven_full_tensor": (8188, False),  # the global size, on both ranks (their shards hold 4096 and 4092 B)
-        "all_gather_single": (None, False),
+        "small_all_reduce": 4092,
+        "large_all_reduce": 4096,
+        "large_broadcast": 4096,
+        "functional_all_reduce": 4096,
+        "uneven_full_tensor": 8188,  # the global size, on both ranks (their shards hold 4096 and 4092 B)
+        "all_gather_single": None,  # staging_device_for_call decides, which never routes by size
     }
 
 
