@@ -26,6 +26,12 @@ Every environment variable offload_shim reads is named here, once.
     ``OFFLOAD_SHIM_STAGING_DEVICE=cpu`` it runs the whole staging path (real copies, the collective on
     the staged tensor, the copy back) on a CPU-only machine over a Gloo group.
 
+``OFFLOAD_SHIM_HOST_STAGING`` (:data:`ENV_HOST_STAGING`)
+    A boolean, spelled as for ``OFFLOAD_SHIM``; default true. True: accelerator tensors that a group's backends do
+    not serve for a collective (any collective of an XPU tensor on a Gloo-only group; a CUDA ``send`` on a Gloo
+    group) are staged through pinned host memory. False: they go to torch, which raises (or, for Gloo's CUDA
+    point-to-point, ends the process); the decision for accelerator tensors is then skipped altogether.
+
 ``OFFLOAD_SHIM_LOG`` (:data:`ENV_LOG`)
     ``info`` or ``debug`` (any case): offload_shim's log records (logger ``offload_shim``) go to standard error from
     that level, each line naming the process's rank (``RANK``, which torchrun sets): at ``info`` one line when the
@@ -60,9 +66,11 @@ ENV_CHUNK_BYTES = "OFFLOAD_SHIM_CHUNK_BYTES"
 ENV_ROUTE_MIN_BYTES = "OFFLOAD_SHIM_ROUTE_MIN_BYTES"
 ENV_LOG = "OFFLOAD_SHIM_LOG"
 ENV_SUMMARY = "OFFLOAD_SHIM_SUMMARY"
+ENV_HOST_STAGING = "OFFLOAD_SHIM_HOST_STAGING"
 LOG_LEVELS = {"info": 20, "debug": 10}  # logging.INFO, logging.DEBUG
 ENVIRONMENT = (
-    ENV_ENABLE, ENV_STAGING_DEVICE, ENV_ALWAYS_STAGE, ENV_CHUNK_BYTES, ENV_ROUTE_MIN_BYTES, ENV_LOG, ENV_SUMMARY
+    ENV_ENABLE, ENV_STAGING_DEVICE, ENV_ALWAYS_STAGE, ENV_CHUNK_BYTES, ENV_ROUTE_MIN_BYTES, ENV_HOST_STAGING, ENV_LOG,
+    ENV_SUMMARY,
 )
 
 # measured: results/gpu/2026-12-01-two-h200-gpu-tests-and-benchmark/bench.log, chunk sweep
@@ -89,6 +97,8 @@ class Settings:
         route_min_bytes: smallest CPU tensor, in bytes, routed off a group's CPU backend through its accelerator
             backend; ``None``: never routed.
         summary_at_exit: print the table of staged calls to standard error at exit, on rank 0.
+        host_staging: stage accelerator tensors that a group's backends do not serve for a collective through
+            the host.
     """
 
     staging_device: torch.device | None = None
@@ -96,6 +106,7 @@ class Settings:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     route_min_bytes: int | None = DEFAULT_ROUTE_MIN_BYTES
     summary_at_exit: bool = False
+    host_staging: bool = True
 
 
 def parse_flag(name: str, environ=os.environ) -> bool | None:
@@ -180,6 +191,7 @@ def settings_from_environment(environ=os.environ) -> Settings:
         chunk_bytes=DEFAULT_CHUNK_BYTES if chunk is None else _parse_bytes(chunk, ENV_CHUNK_BYTES),
         route_min_bytes=DEFAULT_ROUTE_MIN_BYTES if route is None else _parse_bytes(route, ENV_ROUTE_MIN_BYTES, True),
         summary_at_exit=bool(parse_flag(ENV_SUMMARY, environ)),
+        host_staging=parse_flag(ENV_HOST_STAGING, environ) is not False,
     )
 
 
@@ -201,6 +213,7 @@ def configure(**changes) -> Settings:
         chunk_bytes (int | str): chunk size of the staging pipeline, e.g. ``32 << 20`` or ``"32MiB"``.
         route_min_bytes (int | str | None): smallest CPU tensor routed off Gloo; ``None`` or ``"off"``: never.
         summary_at_exit (bool): print the table of staged calls at exit, on rank 0.
+        host_staging (bool): stage accelerator tensors a group does not serve for a collective through the host.
 
     Returns:
         The settings that were in force before, so that ``configure(**dataclasses.asdict(old))`` restores them.
@@ -219,7 +232,9 @@ def configure(**changes) -> Settings:
         changes["chunk_bytes"] = _parse_bytes(changes["chunk_bytes"], "chunk_bytes")
     if "route_min_bytes" in changes:
         changes["route_min_bytes"] = _parse_bytes(changes["route_min_bytes"], "route_min_bytes", allow_off=True)
-    for name, variable in (("always_stage", ENV_ALWAYS_STAGE), ("summary_at_exit", ENV_SUMMARY)):
+    for name, variable in (
+        ("always_stage", ENV_ALWAYS_STAGE), ("summary_at_exit", ENV_SUMMARY), ("host_staging", ENV_HOST_STAGING)
+    ):
         if name in changes and not isinstance(changes[name], bool):
             raise ConfigError(
                 f"{name}={changes[name]!r} is not a boolean: use True or False "

@@ -42,6 +42,8 @@ ROUTED = "routed"  # the group serves CPU (Gloo) and the accelerator through ano
 MIXED = "mixed"  # host tensors beside tensors on an accelerator that the group serves through another backend
 # than the CPU's (cpu:gloo,cuda:nccl): the host tensors go through those tensors' device
 FORCED = "forced"  # always_stage: nothing else would have taken the call off torch's path
+HOST = "host"  # accelerator tensors that the group's backends serve for this collective only through the host (a
+# CUDA send on a Gloo group, an XPU tensor on a Gloo-only group): through pinned host memory
 # Modes: how a call was staged.
 WHOLE = "whole"  # each staged tensor copied whole, to the staging device and back as the call needs
 SMALL = "small"  # a synchronous in-place call of at most _staging.SMALL_CALL_BYTES under two chunks, through this
@@ -125,14 +127,15 @@ def count(op: str, mode: str, nbytes: int) -> None:
         )
 
 
-def host_bytes(values) -> int:
-    """The bytes of the host tensors among ``values`` (tensors, ``None``, other objects, and lists or tuples of
-    them, nested) that a staged call stages (``_staging.needs_staging``)."""
+def host_bytes(values, source: str = "cpu") -> int:
+    """The bytes of the tensors among ``values`` (tensors, ``None``, other objects, and lists or tuples of them,
+    nested) that a staged call stages: those on ``source``, the host's or, staged through the host, an
+    accelerator's (``_staging.needs_staging``)."""
     total = 0
     for value in values:
         if isinstance(value, (list, tuple)):
-            total += host_bytes(value)
-        elif _staging.needs_staging(value):
+            total += host_bytes(value, source)
+        elif _staging.needs_staging(value, source):
             total += value.nbytes
     return total
 

@@ -294,6 +294,70 @@ def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) 
     return staging_device_for(host, group, collective)
 
 
+# Where a backend serves an accelerator's tensors for some collectives only, the collectives it runs on them, by
+# backend and device type; a collective not listed is staged through the host. torch offers no query for this (its
+# documentation gives Gloo's CUDA support as broadcast and all_reduce). Gloo and CUDA, measured with torch 2.11 on
+# an H200, two ranks sharing the GPU on a plain Gloo group: these gave the right results; send, recv and
+# batch_isend_irecv ended the job (Gloo hands the device pointer to its socket: "writev ...: Bad address"), and the
+# functional all_gather_tensor killed the ranks.
+PARTLY_SERVED = {
+    ("gloo", "cuda"): frozenset(
+        f"torch.distributed.{name}"
+        for name in (
+            "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "gather",
+            "scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single",
+        )
+    ) | {"torch.distributed._functional_collectives.all_reduce"},
+}
+# Device types whose tensors are never staged through the host: the host's own, and ``meta``, which holds no data.
+_NOT_THROUGH_HOST = frozenset({"cpu", "meta"})
+_accelerator_served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {(type, collective): bool}
+
+
+def serves_accelerator(group: dist.ProcessGroup, device_type: str, collective: str) -> bool:
+    """Whether ``group`` runs ``collective`` on tensors of accelerator ``device_type`` itself: a backend serves that
+    device type, for this collective (:data:`PARTLY_SERVED`). Cached per group: it is asked on every call of an
+    accelerator tensor."""
+    answers = _accelerator_served.get(group)
+    if answers is None:
+        answers = {}
+        try:
+            _accelerator_served[group] = answers
+        except TypeError:  # a group type without weak references: not cached
+            pass
+    answer = answers.get((device_type, collective))
+    if answer is None:
+        only = PARTLY_SERVED.get((backend_for(group, device_type), device_type))
+        answer = answers[(device_type, collective)] = device_type in served_device_types(group) and (
+            only is None or collective in only
+        )
+    return answer
+
+
+def host_staging_for(tensors, group: dist.ProcessGroup, collective: str) -> str | None:
+    """The accelerator device type whose tensors among ``tensors`` (every tensor argument of one call) must go
+    through the host for ``collective`` on ``group``, or ``None`` where the call needs no host staging: the group has
+    no backend for that device type, or its backend has no path for this collective on it (:data:`PARTLY_SERVED`),
+    and the group serves CPU. Only those tensors are staged (a call mixing host and accelerator tensors keeps its
+    host ones). Where the group serves neither, torch raises its own error; sparse, nested or quantized accelerator
+    tensors are left to torch too.
+
+    Raises:
+        StagingError: inside torch's ``_coalescing_manager`` (see :func:`staging_device_for`).
+    """
+    kind = next((t.device.type for t in tensors if t.device.type not in _NOT_THROUGH_HOST), None)
+    if kind is None or _staging.in_staged_call() or serves_accelerator(group, kind, collective):
+        return None
+    if "cpu" not in served_device_types(group) or not _config.settings().host_staging:
+        return None
+    staged = [t for t in tensors if t.device.type == kind]
+    if not all(_staging.needs_staging(t, kind) for t in staged):
+        return None
+    if _staging_through(torch.device("cpu"), staged[0], group, collective, _counters.HOST) is None:
+        return None
+    return kind
+
+
 def _unstaged_layout(tensor, group, collective: str, served) -> None:
     """``None`` (left to torch) for a sparse, nested or quantized CPU tensor on a group that serves CPU; otherwise
     :class:`StagingError`, on every rank before any collective: the accelerator backends have no sparse
@@ -343,8 +407,9 @@ def _staging_through(
     _counters.decided(route, device, collective, lambda: _why(route, group, device, sizes))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
-            "offload_shim: staging %s of a cpu tensor %s %s through %s (group %s, backend %r)",
-            collective, tuple(tensor.shape), tensor.dtype, device, group_label(group), backend_description(group),
+            "offload_shim: staging %s of a %s tensor %s %s through %s (group %s, backend %r)",
+            collective, tensor.device.type, tuple(tensor.shape), tensor.dtype, device, group_label(group),
+            backend_description(group),
             extra={"offload_shim_collective": collective, "offload_shim_device": str(device)},
         )
     return device
@@ -361,6 +426,8 @@ def _why(route: str, group, device: torch.device, sizes: tuple) -> str:
         return f"{_counters.format_bytes(nbytes)} >= route_min_bytes {_counters.format_bytes(threshold)}; {where}"
     if route == _counters.MIXED:
         return f"its other tensors are on {device}; {where}"
+    if route == _counters.HOST:
+        return f"{where}, not this collective on its accelerator tensors"
     return f"always_stage; {where}"
 
 

@@ -41,6 +41,7 @@ _log = logging.getLogger("offload_shim")
 # What a staged tensor parameter is to the call: read (copied to the staging device), written (copied back into
 # the caller's tensor), or both.
 READ, WRITE, READ_WRITE = "read", "write", "read-write"
+_HOST = torch.device("cpu")  # where accelerator tensors that a group serves only through the host are staged
 
 
 def refuse_as_torch(refusal: Callable, tensors) -> None:
@@ -104,8 +105,20 @@ def _in_place_wrapper(collective: str):
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
             tensor = args[at] if len(args) > at else kwargs.get("tensor")
-            if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu:
+            if not isinstance(tensor, torch.Tensor):
                 return wrapped(*args, **kwargs)
+            if not tensor.is_cpu:  # an accelerator's tensor: staged through the host where the group lacks a path
+                if not _config.settings().host_staging:
+                    return wrapped(*args, **kwargs)
+                group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
+                kind = None if group is None else _devices.host_staging_for((tensor,), group, name)
+                if kind is None:
+                    return wrapped(*args, **kwargs)
+                reads, writes = _roles(collective, parameters, args, kwargs, group) if has_roles else (True, True)
+                try:
+                    return _staged_whole(wrapped, parameters, args, kwargs, {"tensor": (reads, writes)}, _HOST, kind)
+                finally:
+                    _counters.count(name, _counters.WHOLE, tensor.numel() * tensor.element_size())
             group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
             if group is None or _devices.host_calls_served(group):
                 return wrapped(*args, **kwargs)
@@ -140,18 +153,32 @@ def _in_place_wrapper(collective: str):
                         return wrapped(*call_args, **call_kwargs)
 
                     return _staging.stage_small_in_place(tensor, device, run, reads=reads, writes=writes)
-                staged = _staging.StagedArguments(device)
-                value = staged.stage(tensor, reads=reads, writes=writes)
-                args, kwargs = parameters.replace(args, kwargs, "tensor", value)
-                with _staging.staged_call():
-                    result = wrapped(*args, **kwargs)
-                return staged.complete(result, [tensor])
+                return _staged_whole(wrapped, parameters, args, kwargs, {"tensor": (reads, writes)}, device, "cpu")
             finally:
                 _counters.count(name, mode, nbytes)
 
         return wrapper
 
     return make
+
+
+
+
+
+def _staged_whole(wrapped, parameters, args, kwargs, roles: Mapping[str, tuple[bool, bool]], device, source: str):
+    """``wrapped(*args, **kwargs)`` with the tensors of ``source`` among the parameters of ``roles`` (name to
+    ``(reads, writes)``) staged whole through ``device``; the result, or for an asynchronous call its handle, as
+    :meth:`_staging.StagedArguments.complete` gives it (with the caller's written tensors, the in-place family's
+    tensor, as what the handle's ``result()`` returns)."""
+    staged = _staging.StagedArguments(device, source)
+    callers = []
+    for param, (reads, writes) in roles.items():
+        value = parameters.get(args, kwargs, param)
+        args, kwargs = parameters.replace(args, kwargs, param, staged.stage(value, reads=reads, writes=writes))
+        callers.append(value)
+    with _staging.staged_call():
+        result = wrapped(*args, **kwargs)
+    return staged.complete(result, callers if len(callers) == 1 and isinstance(callers[0], torch.Tensor) else None)
 
 
 def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals: Mapping[str, Callable] = {}):
@@ -179,28 +206,38 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
 
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
+            host = accelerator = False
             for param, at in positions:
                 value = args[at] if len(args) > at else kwargs.get(param)
                 if isinstance(value, torch.Tensor):
                     if value.is_cpu:  # sparse ones too: refused clearly below
-                        break
-                elif isinstance(value, (list, tuple)) and _any_host_tensor(value):
-                    break
-            else:  # no host tensor
+                        host = True
+                    else:
+                        accelerator = True
+                elif isinstance(value, (list, tuple)):
+                    found_host, found_accelerator = _devices_of(value)
+                    host, accelerator = host or found_host, accelerator or found_accelerator
+            through_host = accelerator and _config.settings().host_staging
+            if not host and not through_host:
                 return wrapped(*args, **kwargs)
             group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
-            if group is None or _devices.host_calls_served(group):
+            if group is None:
                 return wrapped(*args, **kwargs)
             values = {param: args[at] if len(args) > at else kwargs.get(param) for param, at in positions}
             tensors = list(_tensors(values.values()))
-            device = _devices.staging_device_for_call(tensors, group, name)
+            device, source = None, "cpu"
+            if host and not _devices.host_calls_served(group):
+                device = _devices.staging_device_for_call(tensors, group, name)
+            if device is None and through_host:  # accelerator tensors the group serves only through the host
+                source = _devices.host_staging_for(tensors, group, name)
+                device = None if source is None else _HOST
             if device is None:
                 return wrapped(*args, **kwargs)
             for param, refusal in refusals.items():
                 refuse_as_torch(refusal, _tensors([values[param]]))
-            nbytes = _counters.host_bytes(tensors)
+            nbytes = _counters.host_bytes(tensors, source)
             try:
-                staged = _staging.StagedArguments(device)
+                staged = _staging.StagedArguments(device, source)
                 for param, role in roles.items():
                     value = staged.stage(values[param], reads=role != WRITE, writes=role != READ)
                     args, kwargs = parameters.replace(args, kwargs, param, value)
@@ -215,14 +252,19 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
     return make
 
 
-def _any_host_tensor(values) -> bool:
+def _devices_of(values) -> tuple[bool, bool]:
+    """Whether ``values`` (tensors and lists of them, nested) hold a host tensor, and an accelerator's."""
+    host = accelerator = False
     for value in values:
         if isinstance(value, torch.Tensor):
             if value.is_cpu:
-                return True
-        elif isinstance(value, (list, tuple)) and _any_host_tensor(value):
-            return True
-    return False
+                host = True
+            else:
+                accelerator = True
+        elif isinstance(value, (list, tuple)):
+            found_host, found_accelerator = _devices_of(value)
+            host, accelerator = host or found_host, accelerator or found_accelerator
+    return host, accelerator
 
 
 def _tensors(values):

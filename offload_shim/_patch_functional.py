@@ -13,7 +13,9 @@ has are wrapped.
 
 from __future__ import annotations
 
-from offload_shim import _counters, _devices, _staging
+import torch
+
+from offload_shim import _config, _counters, _devices, _staging
 from offload_shim._patching import Parameters, Target
 
 MODULE = "torch.distributed._functional_collectives"
@@ -53,28 +55,37 @@ def _functional_wrapper(collective: str, input_name: str):
             value = parameters.get(args, kwargs, input_name)
             coalesced = isinstance(value, (list, tuple))
             inputs = list(value) if coalesced else [value]
-            if not any(_staging.needs_staging(t) for t in inputs):
+            host = any(_staging.needs_staging(t) for t in inputs)
+            if not host and not (
+                _config.settings().host_staging and any(isinstance(t, torch.Tensor) and not t.is_cpu for t in inputs)
+            ):
                 return wrapped(*args, **kwargs)
             group = _devices.resolve_functional_group(
                 parameters.get(args, kwargs, "group"), parameters.get(args, kwargs, "tag", "")
             )
-            if group is None or _devices.host_calls_served(group):
+            if group is None:
                 return wrapped(*args, **kwargs)
-            if collective in SAME_SIZE_ON_EVERY_RANK:
-                device = _devices.staging_device_for(value, group, name, value.numel() * value.element_size())
-            else:
-                device = _devices.staging_device_for_call(inputs, group, name)
+            source, device = "cpu", None
+            if not host:  # accelerator inputs: through the host where the group has no path for them
+                source = _devices.host_staging_for(inputs, group, name)
+                device = None if source is None else torch.device("cpu")
+            elif not _devices.host_calls_served(group):
+                if collective in SAME_SIZE_ON_EVERY_RANK:
+                    device = _devices.staging_device_for(value, group, name, value.numel() * value.element_size())
+                else:
+                    device = _devices.staging_device_for_call(inputs, group, name)
             if device is None:
                 return wrapped(*args, **kwargs)
-            nbytes = _counters.host_bytes(inputs)
+            nbytes = _counters.host_bytes(inputs, source)
             try:
-                staged = [_staging.to_staging(t, device) if _staging.needs_staging(t) else t for t in inputs]
+                staged = [_staging.to_staging(t, device) if _staging.needs_staging(t, source) else t for t in inputs]
                 args, kwargs = parameters.replace(args, kwargs, input_name, staged if coalesced else staged[0])
                 with _staging.staged_call():
                     result = wrapped(*args, **kwargs)
                     results = [_waited(r) for r in (result if coalesced else [result])]
                 back = [
-                    _staging.to_caller(r, t.device) if _staging.needs_staging(t) else r for r, t in zip(results, inputs)
+                    _staging.to_caller(r, t.device) if _staging.needs_staging(t, source) else r
+                    for r, t in zip(results, inputs)
                 ]
                 return back if coalesced else back[0]
             finally:

@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 import functools
 
-from offload_shim import _counters, _devices, _staging
+import torch
+
+from offload_shim import _config, _counters, _devices, _staging
 from offload_shim._patch_c10d import (
     ALIASES,
     CONTIGUOUS_P2P,
@@ -43,24 +45,27 @@ def _batch_wrapper(original):
         operations = [_current(operation) for operation in operations]
         tensors = [getattr(operation, "tensor", None) for operation in operations]
         group = _devices.resolve_c10d_group(getattr(operations[0], "group", None))
-        device = None
+        device, source = None, "cpu"
         if group is not None and any(_staging.needs_staging(t) for t in tensors):
             device = _devices.staging_device_for_call(tensors, group, BATCH)
+        if device is None and group is not None and _config.settings().host_staging:
+            source = _devices.host_staging_for(tensors, group, BATCH)  # accelerator tensors only the host serves
+            device = None if source is None else torch.device("cpu")
         if device is None:
             return wrapped(operations)
         refuse_as_torch(CONTIGUOUS_P2P, tensors)
-        nbytes = _counters.host_bytes(tensors)
+        nbytes = _counters.host_bytes(tensors, source)
         try:
-            return _staged_batch(wrapped, operations, device)
+            return _staged_batch(wrapped, operations, device, source)
         finally:
             _counters.count(BATCH, _counters.WHOLE, nbytes)
 
     return wrapper
 
 
-def _staged_batch(wrapped, operations, device):
-    """``batch_isend_irecv(operations)`` with each operation's host tensor staged through ``device``."""
-    staged = [_staging.StagedArguments(device) for _ in operations]
+def _staged_batch(wrapped, operations, device, source: str = "cpu"):
+    """``batch_isend_irecv(operations)`` with each operation's tensor on ``source`` staged through ``device``."""
+    staged = [_staging.StagedArguments(device, source) for _ in operations]
     for operation, arguments in zip(operations, staged):
         sends = operation.op is dist.distributed_c10d.isend
         operation.tensor = arguments.stage(operation.tensor, reads=sends, writes=not sends)

@@ -73,8 +73,9 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A contiguous copy of host ``tensor`` on ``device`` (same shape and dtype, new storage): backends such as
-    NCCL take contiguous tensors only, whatever the caller's strides, and the functional collectives check for
+    """A contiguous copy of ``tensor`` on ``device`` (same shape and dtype, new storage): a host tensor's on the
+    staging accelerator, or an accelerator tensor's in pinned host memory, complete for the host to read. Backends
+    such as NCCL take contiguous tensors only, whatever the caller's strides, and the functional collectives check for
     contiguity themselves. A channels_last tensor is staged contiguous too: its staged call moves data in logical
     order, where torch's call on the tensor itself moves its memory order (they differ only where one call mixes
     layouts). Keeping channels_last would not do: where one rank's tensor is empty (contiguous in every format)
@@ -87,7 +88,13 @@ def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if tensor.dtype is torch.bool:
         return to_staging(bits(tensor), device).view(torch.bool)
     if device.type == "cpu":
-        return tensor.clone(memory_format=torch.contiguous_format)
+        if tensor.is_cpu:
+            return tensor.clone(memory_format=torch.contiguous_format)
+        # An accelerator tensor staged through the host: into pinned memory after the work queued on its current
+        # stream (which produced it), and that stream's copy finished, since the host reads it next.
+        staged = tensor.to(device, non_blocking=True, memory_format=torch.contiguous_format)
+        _finish_on(tensor.device)
+        return staged
     # Pinned: an asynchronous DMA. Pageable: the runtime's own staged copy, measured faster than a copy into
     # pinned memory first (see _pipeline.PAGEABLE_PATH).
     return tensor.to(device, non_blocking=True, memory_format=torch.contiguous_format)
@@ -288,12 +295,13 @@ def finish_writes_to(tensors) -> None:
                 pass
 
 
-def needs_staging(value) -> bool:
-    """Whether ``value`` is a host tensor that a staged call copies: a strided (dense), non-nested, non-quantized
-    CPU tensor. Sparse, nested and quantized tensors are never staged (see ``_devices._unstaged_layout``)."""
+def needs_staging(value, source: str = "cpu") -> bool:
+    """Whether ``value`` is a tensor that a staged call copies: a strided (dense), non-nested, non-quantized tensor
+    on a device of type ``source`` (the host's, or for staging through the host an accelerator's). Sparse, nested
+    and quantized tensors are never staged (see ``_devices._unstaged_layout``)."""
     return (
         isinstance(value, torch.Tensor)
-        and value.is_cpu
+        and (value.is_cpu if source == "cpu" else value.device.type == source)
         and value.layout == torch.strided
         and not value.is_nested
         and not value.is_quantized
@@ -301,17 +309,19 @@ def needs_staging(value) -> bool:
 
 
 class StagedArguments:
-    """The tensor arguments of one call, staged through ``device``: host tensors (:func:`needs_staging`) are
-    replaced by tensors on ``device``, others are passed as they are. A tensor the call reads is copied there
+    """The tensor arguments of one call, staged through ``device``: tensors on ``source`` (:func:`needs_staging`)
+    are replaced by tensors on ``device``, others are passed as they are. A tensor the call reads is copied there
     (:func:`to_staging`); one it only writes gets fresh memory there. After the call, :meth:`complete` copies
     what the call wrote back into the caller's own tensor objects.
 
     Args:
-        device: the staging device.
+        device: the staging device: an accelerator for host tensors, or the host (``cpu``) for accelerator ones.
+        source: the device type of the tensors staged (``"cpu"``, or the accelerator's staged through the host).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, source: str = "cpu"):
         self.device = device
+        self.source = source
         self._written: list[tuple[torch.Tensor, torch.Tensor]] = []  # (caller's tensor, staged tensor)
         self._copied = False
         self._lock = threading.Lock()
@@ -320,14 +330,16 @@ class StagedArguments:
         """``value`` (a tensor, ``None``, or a list or tuple of them, nested) with host tensors staged."""
         if isinstance(value, (list, tuple)):
             return type(value)(self.stage(v, reads, writes) for v in value)
-        if not needs_staging(value):
+        if not needs_staging(value, self.source):
             return value
         with torch.no_grad():
             if reads:
                 staged = to_staging(value, self.device)
             else:
                 finish_writes_to([value])  # written after what an outstanding call writes there
-                staged = torch.empty(value.shape, dtype=value.dtype, device=self.device)
+                # (pinned where it goes back to an accelerator: that copy is asynchronous)
+                pinned = self.device.type == "cpu" and not value.is_cpu
+                staged = torch.empty(value.shape, dtype=value.dtype, device=self.device, pin_memory=pinned)
         if writes:
             self._written.append((value, staged))
         return staged
@@ -337,18 +349,22 @@ class StagedArguments:
         return [caller for caller, _ in self._written]
 
     def copy_back(self) -> None:
-        """Write each staged result into the caller's tensor (same object, strides and storage), complete when
-        this returns: all D2H copies are queued, then waited for once. Only the first call copies (several work
-        handles of one ``batch_isend_irecv`` share one copy back). Written through ``.data``, so the caller's
-        version counter stays as it was: torch's collectives write from C++ without bumping it, and a tensor
-        autograd saved for backward stays usable."""
+        """Write each staged result into the caller's tensor (same object, strides and storage): a host tensor is
+        complete when this returns (all D2H copies are queued, then waited for once); an accelerator tensor staged
+        through the host is written by a copy on its device's current stream, which later work there follows, as
+        with the accelerator's own collectives. Only the first call copies (several work handles of one
+        ``batch_isend_irecv`` share one copy back). Written through ``.data``, so the caller's version counter
+        stays as it was: torch's collectives write from C++ without bumping it, and a tensor autograd saved for
+        backward stays usable."""
         with self._lock:
             if self._copied:
                 return
             with torch.no_grad():
                 for caller, staged in self._written:
+                    # Asynchronous where pinned memory is on one side: into a pinned host tensor, or out of one.
+                    non_blocking = _is_pinned(caller) or (not caller.is_cpu and _is_pinned(staged))
                     with writable(caller):
-                        bits(caller.data).copy_(bits(staged), non_blocking=_is_pinned(caller))
+                        bits(caller.data).copy_(bits(staged), non_blocking=non_blocking)
             _finish_on(self.device)
             self._copied = True
 

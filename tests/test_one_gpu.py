@@ -7,6 +7,9 @@ staged for real through the accelerator.
 * Two ranks sharing the one GPU on a ``cuda:gloo`` group (it serves only CUDA, as NCCL does): an asynchronous
   call never waits for its peers, pinned and pageable, at pipelined sizes; the compiled families Gloo serves on
   CUDA (not point-to-point: Gloo's CUDA send ends the job).
+* Two ranks sharing the GPU on a plain Gloo group: CUDA tensors on what Gloo has no CUDA path for
+  (point-to-point, the functional all_gather) go through the host and equal staging by hand; the rest stays
+  untouched.
 
 Run: ``python -m pytest -o addopts="" -m gpu tests/test_one_gpu.py`` (skipped without an accelerator).
 """
@@ -122,3 +125,78 @@ def check_async_call_never_waits_for_peers(numel, pinned):
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
 def test_async_call_never_waits_for_peers_one_gpu(shared_gpu_ranks, pinned):
     shared_gpu_ranks.run(check_async_call_never_waits_for_peers, 1 << 20, pinned)
+
+
+# ---------------------------------------------------------------- accelerator tensors through the host
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks_on_gpu():
+    """Two ranks sharing the accelerator, of a plain Gloo group (serves the host, and CUDA for some collectives)."""
+    pool = RankPool(world_size=2, backend="gloo", timeout=300)
+    yield pool
+    pool.close()
+
+
+def _by_hand(call, *tensors):
+    """``call`` on host copies of accelerator ``tensors``, the results copied back: staging by hand."""
+    hosts = [t.cpu() for t in tensors]
+    result = call(*hosts)
+    for tensor, host in zip(tensors, hosts):
+        tensor.copy_(host)
+    return result
+
+
+def check_accelerator_tensors_through_host():
+    """On a Gloo group, accelerator tensors on calls Gloo has no path for on them (point-to-point, the functional
+    all_gather) go through the host and equal staging by hand; the calls Gloo serves on them stay untouched."""
+    import torch.distributed._functional_collectives as funcol
+
+    offload_shim.install()
+    device, rank, world = _accelerator(), dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    value = torch.arange(6.0, device=device) + 10 * rank
+
+    def ring(send, receive):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, receive, left)]):
+            work.wait()
+
+    def send_recv(send, receive):
+        if rank % 2:
+            dist.recv(receive, left), dist.send(send, right)
+        else:
+            dist.send(send, right), dist.recv(receive, left)
+
+    def isend_irecv(send, receive):
+        works = [dist.isend(send, right), dist.irecv(receive, left)]
+        for work in works:
+            work.wait()
+
+    offload_shim.reset_staging_counters()
+    results = {}
+    for name, call in (("batch_isend_irecv", ring), ("send_recv", send_recv), ("isend_irecv", isend_irecv)):
+        expected, received = value.clone(), torch.zeros(6, device=device)
+        _by_hand(call, expected, received)
+        staged = torch.zeros(6, device=device)
+        call(value, staged)
+        torch.accelerator.synchronize()
+        assert staged.device == device and same_bits(staged, received), (name, staged, received)
+        assert same_bits(received.cpu(), torch.arange(6.0) + 10 * left)
+        results[name] = True
+    gathered = funcol.all_gather_tensor(value, 0, dist.group.WORLD)
+    expected = _by_hand(lambda v: funcol.all_gather_tensor(v, 0, dist.group.WORLD).wait(), value.clone()).to(device)
+    assert gathered.device == device and same_bits(gathered, expected)
+    routes = {(key.op.rpartition(".")[2], key.route) for key in offload_shim.staging_counters()}
+    assert routes == {("batch_isend_irecv", "host"), ("send", "host"), ("recv", "host"), ("isend", "host"),
+                      ("irecv", "host"), ("all_gather_tensor", "host")}, routes
+    # Served by Gloo on CUDA: untouched.
+    offload_shim.reset_staging_counters()
+    reduced = value.clone()
+    dist.all_reduce(reduced)
+    dist.broadcast(reduced, src=0)
+    assert same_bits(reduced.cpu(), sum(torch.arange(6.0) + 10 * r for r in range(world)))
+    assert offload_shim.staging_counters() == {}, offload_shim.staging_counters()
+
+
+def test_accelerator_tensors_through_host(gloo_ranks_on_gpu):
+    gloo_ranks_on_gpu.run(check_accelerator_tensors_through_host)

@@ -1,0 +1,89 @@
+"""Accelerator tensors on groups that serve them only through the host (docs/reference.md): the decision, on CPU.
+
+No machine here has an XPU, an NPU or an MPS device, and this one has no GPU: the decision is checked with torch's
+fake tensors (real ``torch.Tensor`` objects that carry a device and no data), on real Gloo and ``cuda:gloo``
+groups. Ascend's ``npu`` (torch's private-use backend, renamed by torch_npu) has no fake tensors here: ``mtia``
+stands in for another accelerator the group has no backend for. The staging itself (the copy to pinned host memory, the collective on the host, the copy back on the
+caller's stream) runs on a GPU: tests/test_one_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import offload_shim
+from observe import configured
+from offload_shim import _devices
+
+C10D = "torch.distributed."
+
+
+def _fake(device: str, *shape):
+    with FakeTensorMode():
+        return torch.empty(*(shape or (4,)), device=device)
+
+
+def check_decision():
+    """Which accelerator tensors go through the host: a Gloo group serves CUDA for most collectives and not for
+    point-to-point or the functional all_gather; it serves no XPU, MTIA or MPS tensor at all, which all go through
+    the host; a group without a CPU backend leaves them to torch (its own error); ``meta`` and host tensors are never
+    host-staged; the setting switches it off."""
+    offload_shim.install()
+    gloo = dist.group.WORLD
+    cuda_only = dist.new_group([0, 1], backend="cuda:gloo")
+    cuda, xpu = _fake("cuda"), _fake("xpu")
+    decided = {}
+    for group_name, group in (("gloo", gloo), ("cuda:gloo", cuda_only)):
+        for device_name, tensor in (("cuda", cuda), ("xpu", xpu), ("mtia", _fake("mtia")), ("mps", _fake("mps")),
+                                    ("meta", torch.empty(4, device="meta")), ("cpu", torch.ones(4))):
+            for collective in ("all_reduce", "send", "batch_isend_irecv",
+                               "_functional_collectives.all_gather_tensor", "_functional_collectives.all_reduce"):
+                decided[group_name, device_name, collective] = _devices.host_staging_for(
+                    [tensor], group, C10D + collective)
+    with configured(host_staging=False):
+        switched_off = _devices.host_staging_for([xpu], gloo, C10D + "all_reduce")
+    # a call mixing host and accelerator tensors: only the accelerator's are staged (the host's are served)
+    mixed = _devices.host_staging_for([torch.ones(4), cuda], gloo, C10D + "send")
+    return decided, switched_off, mixed
+
+
+def test_decision(gloo_ranks):
+    decided, switched_off, mixed = gloo_ranks.run(check_decision)[0]
+    through_host = {key for key, kind in decided.items() if kind is not None}
+    assert through_host == {
+        ("gloo", "cuda", "send"),
+        ("gloo", "cuda", "batch_isend_irecv"),
+        ("gloo", "cuda", "_functional_collectives.all_gather_tensor"),
+        *(("gloo", device, collective) for device in ("xpu", "mtia", "mps") for collective in (
+            "all_reduce", "send", "batch_isend_irecv", "_functional_collectives.all_gather_tensor",
+            "_functional_collectives.all_reduce",
+        )),
+    }, sorted(through_host)
+    assert all(decided[key] == key[1] for key in through_host)  # the device type whose tensors are staged
+    assert switched_off is None and mixed == "cuda"
+
+
+def test_partly_served_names_only_wrapped_collectives():
+    """The table of what Gloo serves on CUDA names collectives by the names the wrappers decide with."""
+    offload_shim.install()
+    import torch.distributed._functional_collectives  # noqa: F401 - its wrappers are applied on import
+
+    wrapped = {name.replace("distributed_c10d.", "") for name in offload_shim.wrapped_functions()}
+    for names in _devices.PARTLY_SERVED.values():
+        # (a name this torch lacks, all_gather_single before 2.13, is not wrapped here)
+        assert sorted(n for n in names if n not in wrapped and hasattr(dist, n.rpartition(".")[2])) == []
+
+
+def test_host_staging_setting_reads_the_environment(monkeypatch):
+    from offload_shim import _config
+
+    monkeypatch.setenv(_config.ENV_HOST_STAGING, "0")
+    assert _config.settings_from_environment().host_staging is False
+    monkeypatch.setenv(_config.ENV_HOST_STAGING, "")
+    assert _config.settings_from_environment().host_staging is True
+    monkeypatch.setenv(_config.ENV_HOST_STAGING, "sometimes")
+    with pytest.raises(_config.ConfigError, match="OFFLOAD_SHIM_HOST_STAGING='sometimes' is not a boolean"):
+        _config.settings_from_environment()
