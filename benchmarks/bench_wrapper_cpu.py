@@ -4,7 +4,8 @@ served-path figure; ``bench_staging.py``'s ``served`` section gives it on two GP
 
     python benchmarks/bench_wrapper_cpu.py [--calls 2000] [--rounds 30] [--out FILE.json]
 
-One process, a one-rank Gloo group: blocks of ``--calls`` calls alternate between three sides: the shim installed,
+One process, a one-rank Gloo group (and, where there is an accelerator, a one-rank group of its backend with
+accelerator tensors): blocks of ``--calls`` calls alternate between four sides: the shim with host staging off too; the shim installed,
 uninstalled, and uninstalled with a wrapt ``FunctionWrapper`` that only passes the call on bound in its place (the
 wrapping library's own share of the shim's cost); each block's CPU time of the calling thread per call is taken, and
 each side's minimum over the rounds is kept (means are too noisy on a shared machine). Cases: ``all_reduce`` and
@@ -35,30 +36,70 @@ def measure(calls: int, rounds: int) -> dict:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     tensor, gathered = torch.ones(1), torch.empty(1)
-    cases = {
-        "all_reduce": lambda: dist.all_reduce(tensor),
-        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(gathered, tensor),
+    cases = {  # name: (the torch.distributed function, a call of it)
+        "all_reduce": ("all_reduce", lambda: dist.all_reduce(tensor)),
+        "all_gather_into_tensor": ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(gathered, tensor)),
     }
+    if torch.accelerator.is_available():  # and accelerator tensors on a one-rank group of the accelerator's backend
+        torch.accelerator.set_device_index(0)
+        device = torch.device(torch.accelerator.current_accelerator().type, 0)
+        group = dist.new_group([0], backend=dist.Backend.default_device_backend_map[device.type])
+        on_device, gathered_on_device = torch.ones(1, device=device), torch.empty(1, device=device)
+        cases["all_reduce, accelerator tensor"] = ("all_reduce", lambda: dist.all_reduce(on_device, group=group))
+        cases["all_gather_into_tensor, accelerator tensors"] = (
+            "all_gather_into_tensor", lambda: dist.all_gather_into_tensor(gathered_on_device, on_device, group=group)
+        )
     import wrapt
 
     def passing_on(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
+    def body(call):
+        """``call`` made against a function that does nothing: the wrapper's own work, apart from the collective's
+        (whose CPU time on Gloo includes its wait, which the Python before it lengthens)."""
+        noop = lambda *args, **kwargs: None  # noqa: E731
+        arguments = {}
+
+        def capture(wrapped, instance, args, kwargs):
+            arguments.update(args=args, kwargs=kwargs)
+            return wrapped(*args, **kwargs)
+
+        return noop, capture, arguments
+
     results = {}
-    for name, call in cases.items():
-        sides = ("shim", "off", "wrapt")
+    for name, (function, call) in cases.items():
+        # The shim's decision alone: its wrapper against one that only passes the call on, both around a no-op.
+        offload_shim.install()
+        wrapper = offload_shim.wrapped_functions()[f"torch.distributed.distributed_c10d.{function}"]._self_wrapper
+        noop, capture, arguments = body(call)
+        original = getattr(dist, function)
+        offload_shim.uninstall()
+        setattr(dist, function, wrapt.FunctionWrapper(original, capture))
+        call()
+        setattr(dist, function, original)
+        offload_shim.install()
+        decision = {"shim": float("inf"), "wrapt": float("inf")}
+        for round_ in range(rounds + 1):
+            for side, function_body in (("shim", wrapper), ("wrapt", passing_on)):
+                start = time.thread_time()
+                for _ in range(calls):
+                    function_body(noop, None, arguments["args"], arguments["kwargs"])
+                if round_:
+                    decision[side] = min(decision[side], (time.thread_time() - start) / calls)
+        sides = ("shim", "off", "wrapt", "shim, host staging off")
         best = dict.fromkeys(sides, float("inf"))
         for round_ in range(rounds + 1):
             for side in sides if round_ % 2 else sides[::-1]:
-                offload_shim.install() if side == "shim" else offload_shim.uninstall()
-                original = getattr(dist, name)
+                offload_shim.uninstall() if side in ("off", "wrapt") else offload_shim.install()
+                offload_shim.configure(host_staging=side != "shim, host staging off")
+                original = getattr(dist, function)
                 if side == "wrapt":
-                    setattr(dist, name, wrapt.FunctionWrapper(original, passing_on))
+                    setattr(dist, function, wrapt.FunctionWrapper(original, passing_on))
                 start = time.thread_time()
                 for _ in range(calls):
                     call()
                 elapsed = time.thread_time() - start
-                setattr(dist, name, original)
+                setattr(dist, function, original)
                 if round_:  # round 0 is warm-up
                     best[side] = min(best[side], elapsed / calls)
         results[name] = {
@@ -67,7 +108,10 @@ def measure(calls: int, rounds: int) -> dict:
             "added_cpu_us_per_call": (best["shim"] - best["off"]) * 1e6,
             "wrapt_alone_added_cpu_us_per_call": (best["wrapt"] - best["off"]) * 1e6,
             "shim_beyond_wrapt_cpu_us_per_call": (best["shim"] - best["wrapt"]) * 1e6,
+            "host_staging_cpu_us_per_call": (best["shim"] - best["shim, host staging off"]) * 1e6,
+            "decision_beyond_wrapt_cpu_us_per_call": (decision["shim"] - decision["wrapt"]) * 1e6,
         }
+    offload_shim.configure(host_staging=True)
     offload_shim.install()
     dist.destroy_process_group()
     return results
@@ -105,7 +149,9 @@ def main(argv=None) -> dict:
               f"CPU time per call {r['shim_on_cpu_us_per_call']:.2f} us with the shim, {r['shim_off_cpu_us_per_call']:.2f} us "
               f"without, added {r['added_cpu_us_per_call']:.2f} us, of which a wrapt pass-through wrapper alone "
               f"{r['wrapt_alone_added_cpu_us_per_call']:.2f} us and the shim beyond it "
-              f"{r['shim_beyond_wrapt_cpu_us_per_call']:.2f} us")
+              f"{r['shim_beyond_wrapt_cpu_us_per_call']:.2f} us; host staging's decision "
+              f"{r['host_staging_cpu_us_per_call']:.2f} us; the shim's decision alone, beyond a pass-through "
+              f"wrapper, around a call that does nothing: {r['decision_beyond_wrapt_cpu_us_per_call']:.2f} us")
     print(f"counting a staged call (decision's record and count), minimum of {args.rounds} rounds of {args.calls}: "
           f"CPU time {results['counting_cpu_us_per_staged_call']:.2f} us")
     if args.out:

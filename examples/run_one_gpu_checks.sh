@@ -20,5 +20,5 @@ export PYTHONUNBUFFERED=1
 } > "$out/env.log" 2>&1
 python3 -m pytest -o addopts="" -m gpu -v -p no:cacheprovider tests/test_one_gpu.py 2>&1 | tee "$out/one_gpu_tests.log"
 rc=$?
-python3 -m pytest -o addopts="-n 4" -q -p no:cacheprovider ${CPU_TESTS:-tests/test_torch_semantics_cpu.py tests/test_activation.py tests/test_contracts_cpu.py} > "$out/cpu_tests.log" 2>&1
+python3 -m pytest -o addopts="-n 4" -q -p no:cacheprovider ${CPU_TESTS:-tests/test_torch_semantics_cpu.py tests/test_host_staging_cpu.py tests/test_activation.py tests/test_contracts_cpu.py} > "$out/cpu_tests.log" 2>&1
 exit $(( rc | $? ))

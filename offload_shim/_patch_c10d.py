@@ -221,14 +221,15 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
             if not host and not through_host:
                 return wrapped(*args, **kwargs)
             group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
-            if group is None:
+            served = group is None or host and _devices.host_calls_served(group)
+            if served and not through_host:
                 return wrapped(*args, **kwargs)
             values = {param: args[at] if len(args) > at else kwargs.get(param) for param, at in positions}
             tensors = list(_tensors(values.values()))
             device, source = None, "cpu"
-            if host and not _devices.host_calls_served(group):
+            if host and not served:
                 device = _devices.staging_device_for_call(tensors, group, name)
-            if device is None and through_host:  # accelerator tensors the group serves only through the host
+            if device is None and through_host and group is not None:  # accelerator tensors only the host serves
                 source = _devices.host_staging_for(tensors, group, name)
                 device = None if source is None else _HOST
             if device is None:
