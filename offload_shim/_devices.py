@@ -334,6 +334,31 @@ def serves_accelerator(group: dist.ProcessGroup, device_type: str, collective: s
     return answer
 
 
+def accelerator_call_served(group: dist.ProcessGroup, device_type: str, collective: str) -> bool:
+    """Whether a call of ``collective`` on ``group`` with tensors of ``device_type`` (not the host's) goes to torch
+    untouched: host staging is off, the group runs it on them, or it serves no CPU either. The served path's question
+    for the accelerator's own calls (FSDP2's gathers, a training loop's all_reduce): the last answer is kept."""
+    global _last_accelerator
+    settings = _config.settings()
+    last, last_type, last_collective, last_settings, answer = _last_accelerator
+    if last() is group and last_type == device_type and last_collective == collective and last_settings is settings:
+        return answer
+    answer = (
+        not settings.host_staging
+        or device_type in _NOT_THROUGH_HOST
+        or serves_accelerator(group, device_type, collective)
+        or "cpu" not in served_device_types(group)
+    )
+    try:
+        _last_accelerator = (weakref.ref(group), device_type, collective, settings, answer)
+    except TypeError:  # a group type without weak references: not remembered
+        pass
+    return answer
+
+
+_last_accelerator: tuple = (lambda: None, None, None, None, True)
+
+
 def host_staging_for(tensors, group: dist.ProcessGroup, collective: str) -> str | None:
     """The accelerator device type whose tensors among ``tensors`` (every tensor argument of one call) must go
     through the host for ``collective`` on ``group``, or ``None`` where the call needs no host staging: the group has
@@ -346,9 +371,7 @@ def host_staging_for(tensors, group: dist.ProcessGroup, collective: str) -> str 
         StagingError: inside torch's ``_coalescing_manager`` (see :func:`staging_device_for`).
     """
     kind = next((t.device.type for t in tensors if t.device.type not in _NOT_THROUGH_HOST), None)
-    if kind is None or _staging.in_staged_call() or serves_accelerator(group, kind, collective):
-        return None
-    if "cpu" not in served_device_types(group) or not _config.settings().host_staging:
+    if kind is None or _staging.in_staged_call() or accelerator_call_served(group, kind, collective):
         return None
     staged = [t for t in tensors if t.device.type == kind]
     if not all(_staging.needs_staging(t, kind) for t in staged):

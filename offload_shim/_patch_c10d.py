@@ -108,10 +108,12 @@ def _in_place_wrapper(collective: str):
             if not isinstance(tensor, torch.Tensor):
                 return wrapped(*args, **kwargs)
             if not tensor.is_cpu:  # an accelerator's tensor: staged through the host where the group lacks a path
-                if not _config.settings().host_staging:
+                if not _config.settings().host_staging:  # (off by default: the decision costs every such call)
                     return wrapped(*args, **kwargs)
                 group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
-                kind = None if group is None else _devices.host_staging_for((tensor,), group, name)
+                if group is None or _devices.accelerator_call_served(group, tensor.device.type, name):
+                    return wrapped(*args, **kwargs)
+                kind = _devices.host_staging_for((tensor,), group, name)
                 if kind is None:
                     return wrapped(*args, **kwargs)
                 reads, writes = _roles(collective, parameters, args, kwargs, group) if has_roles else (True, True)
@@ -206,30 +208,35 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
 
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
-            host = accelerator = False
-            for param, at in positions:
+            host, kind = False, None
+            for param, at in positions:  # (a loop, not _devices_of's: on every call)
                 value = args[at] if len(args) > at else kwargs.get(param)
                 if isinstance(value, torch.Tensor):
-                    if value.is_cpu:  # sparse ones too: refused clearly below
+                    if value.is_cpu:
                         host = True
-                    else:
-                        accelerator = True
+                    elif kind is None:
+                        kind = value.device.type
                 elif isinstance(value, (list, tuple)):
-                    found_host, found_accelerator = _devices_of(value)
-                    host, accelerator = host or found_host, accelerator or found_accelerator
-            through_host = accelerator and _config.settings().host_staging
-            if not host and not through_host:
+                    found_host, found_kind = _devices_of(value)
+                    host, kind = host or found_host, kind or found_kind
+            if kind is not None and not _config.settings().host_staging:
+                kind = None  # host staging off (the default): accelerator tensors go to torch undecided
+            if not host and kind is None:
                 return wrapped(*args, **kwargs)
             group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
+            # Accelerator tensors through the host, where the group runs this collective on them only so.
+            through_host = (
+                kind is not None and group is not None and not _devices.accelerator_call_served(group, kind, name)
+            )
             served = group is None or host and _devices.host_calls_served(group)
-            if served and not through_host:
+            if (served or not host) and not through_host:
                 return wrapped(*args, **kwargs)
             values = {param: args[at] if len(args) > at else kwargs.get(param) for param, at in positions}
             tensors = list(_tensors(values.values()))
             device, source = None, "cpu"
             if host and not served:
                 device = _devices.staging_device_for_call(tensors, group, name)
-            if device is None and through_host and group is not None:  # accelerator tensors only the host serves
+            if device is None and through_host:
                 source = _devices.host_staging_for(tensors, group, name)
                 device = None if source is None else _HOST
             if device is None:
@@ -253,19 +260,20 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
     return make
 
 
-def _devices_of(values) -> tuple[bool, bool]:
-    """Whether ``values`` (tensors and lists of them, nested) hold a host tensor, and an accelerator's."""
-    host = accelerator = False
+def _devices_of(values) -> tuple[bool, str | None]:
+    """Whether ``values`` (tensors and lists of them, nested) hold a host tensor, and the device type of the first
+    tensor not on the host (``None`` if none)."""
+    host, kind = False, None
     for value in values:
         if isinstance(value, torch.Tensor):
-            if value.is_cpu:
+            if value.is_cpu:  # sparse ones too: refused clearly by the decision
                 host = True
-            else:
-                accelerator = True
+            elif kind is None:
+                kind = value.device.type
         elif isinstance(value, (list, tuple)):
-            found_host, found_accelerator = _devices_of(value)
-            host, accelerator = host or found_host, accelerator or found_accelerator
-    return host, accelerator
+            found_host, found_kind = _devices_of(value)
+            host, kind = host or found_host, kind or found_kind
+    return host, kind
 
 
 def _tensors(values):

@@ -56,9 +56,7 @@ def _functional_wrapper(collective: str, input_name: str):
             coalesced = isinstance(value, (list, tuple))
             inputs = list(value) if coalesced else [value]
             host = any(_staging.needs_staging(t) for t in inputs)
-            if not host and not (
-                _config.settings().host_staging and any(isinstance(t, torch.Tensor) and not t.is_cpu for t in inputs)
-            ):
+            if not host and not _config.settings().host_staging:
                 return wrapped(*args, **kwargs)
             group = _devices.resolve_functional_group(
                 parameters.get(args, kwargs, "group"), parameters.get(args, kwargs, "tag", "")

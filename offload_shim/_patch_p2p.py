@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from offload_shim import _config, _counters, _devices, _staging
+from offload_shim import _counters, _devices, _staging
 from offload_shim._patch_c10d import (
     ALIASES,
     CONTIGUOUS_P2P,
@@ -48,7 +48,7 @@ def _batch_wrapper(original):
         device, source = None, "cpu"
         if group is not None and any(_staging.needs_staging(t) for t in tensors):
             device = _devices.staging_device_for_call(tensors, group, BATCH)
-        if device is None and group is not None and _config.settings().host_staging:
+        if device is None and group is not None:
             source = _devices.host_staging_for(tensors, group, BATCH)  # accelerator tensors only the host serves
             device = None if source is None else torch.device("cpu")
         if device is None:

@@ -153,6 +153,7 @@ def check_accelerator_tensors_through_host():
     import torch.distributed._functional_collectives as funcol
 
     offload_shim.install()
+    offload_shim.configure(host_staging=True)  # off by default
     device, rank, world = _accelerator(), dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world, (rank - 1) % world
     value = torch.arange(6.0, device=device) + 10 * rank
