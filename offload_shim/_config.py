@@ -27,11 +27,10 @@ Every environment variable offload_shim reads is named here, once.
     the staged tensor, the copy back) on a CPU-only machine over a Gloo group.
 
 ``OFFLOAD_SHIM_HOST_STAGING`` (:data:`ENV_HOST_STAGING`)
-    A boolean, spelled as for ``OFFLOAD_SHIM``; default false. True: accelerator tensors that a group's backends do
+    A boolean, spelled as for ``OFFLOAD_SHIM``; default true. True: accelerator tensors that a group's backends do
     not serve for a collective (any collective of an XPU tensor on a Gloo-only group; a CUDA ``send`` on a Gloo
     group) are staged through pinned host memory. False: they go to torch, which raises (or, for Gloo's CUDA
-    point-to-point, ends the process), and calls on accelerator tensors skip the decision altogether: off by
-    default because the decision costs every collective on accelerator tensors, which most jobs never need.
+    point-to-point, ends the process), and calls on accelerator tensors skip the decision altogether.
 
 ``OFFLOAD_SHIM_LOG`` (:data:`ENV_LOG`)
     ``info`` or ``debug`` (any case): offload_shim's log records (logger ``offload_shim``) go to standard error from
@@ -99,7 +98,7 @@ class Settings:
             backend; ``None``: never routed.
         summary_at_exit: print the table of staged calls to standard error at exit, on rank 0.
         host_staging: stage accelerator tensors that a group's backends do not serve for a collective through
-            the host (off by default: the decision costs every call on accelerator tensors).
+            the host.
     """
 
     staging_device: torch.device | None = None
@@ -107,7 +106,7 @@ class Settings:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     route_min_bytes: int | None = DEFAULT_ROUTE_MIN_BYTES
     summary_at_exit: bool = False
-    host_staging: bool = False
+    host_staging: bool = True
 
 
 def parse_flag(name: str, environ=os.environ) -> bool | None:
@@ -192,7 +191,7 @@ def settings_from_environment(environ=os.environ) -> Settings:
         chunk_bytes=DEFAULT_CHUNK_BYTES if chunk is None else _parse_bytes(chunk, ENV_CHUNK_BYTES),
         route_min_bytes=DEFAULT_ROUTE_MIN_BYTES if route is None else _parse_bytes(route, ENV_ROUTE_MIN_BYTES, True),
         summary_at_exit=bool(parse_flag(ENV_SUMMARY, environ)),
-        host_staging=bool(parse_flag(ENV_HOST_STAGING, environ)),
+        host_staging=parse_flag(ENV_HOST_STAGING, environ) is not False,
     )
 
 

@@ -309,6 +309,25 @@ PARTLY_SERVED = {
         )
     ) | {"torch.distributed._functional_collectives.all_reduce"},
 }
+# What torch raises, before any communication, for a tensor whose device type no backend of the group serves
+# (``ProcessGroup::getBackend``).
+NO_BACKEND = "No backend type associated with device type"
+
+
+def refused_for_host(collective: str) -> bool:
+    """Whether an accelerator tensor needs the host for ``collective`` only where the group has no backend for its
+    device type at all: every backend that serves an accelerator in part still runs this collective on it
+    (:data:`PARTLY_SERVED`). Such calls go to torch undecided, and torch's own refusal (:data:`NO_BACKEND`), raised
+    on every rank before any communication, is what sends them to the host: the calls that need no staging cost
+    nothing more."""
+    return all(collective in names for names in PARTLY_SERVED.values())
+
+
+def lacks_backend(error: BaseException) -> bool:
+    """Whether ``error`` is torch's refusal of a tensor whose device type the group has no backend for."""
+    return isinstance(error, RuntimeError) and NO_BACKEND in str(error)
+
+
 # Device types whose tensors are never staged through the host: the host's own, and ``meta``, which holds no data.
 _NOT_THROUGH_HOST = frozenset({"cpu", "meta"})
 _accelerator_served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {(type, collective): bool}

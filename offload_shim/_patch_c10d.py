@@ -107,15 +107,16 @@ def _in_place_wrapper(collective: str):
             tensor = args[at] if len(args) > at else kwargs.get("tensor")
             if not isinstance(tensor, torch.Tensor):
                 return wrapped(*args, **kwargs)
-            if not tensor.is_cpu:  # an accelerator's tensor: staged through the host where the group lacks a path
-                if not _config.settings().host_staging:  # (off by default: the decision costs every such call)
+            if not tensor.is_cpu:  # an accelerator's tensor: through the host where the group has no backend for it
+                try:  # torch refuses that before any communication (every backend that has one runs this collective)
                     return wrapped(*args, **kwargs)
-                group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
-                if group is None or _devices.accelerator_call_served(group, tensor.device.type, name):
-                    return wrapped(*args, **kwargs)
-                kind = _devices.host_staging_for((tensor,), group, name)
-                if kind is None:
-                    return wrapped(*args, **kwargs)
+                except RuntimeError as error:
+                    if not (_config.settings().host_staging and _devices.lacks_backend(error)):
+                        raise
+                    group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
+                    kind = None if group is None else _devices.host_staging_for((tensor,), group, name)
+                    if kind is None:
+                        raise
                 reads, writes = _roles(collective, parameters, args, kwargs, group) if has_roles else (True, True)
                 try:
                     return _staged_whole(wrapped, parameters, args, kwargs, {"tensor": (reads, writes)}, _HOST, kind)
@@ -205,6 +206,7 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
             return lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)
 
         positions = [(param, parameters.position(param)) for param in roles]
+        lazy = _devices.refused_for_host(name)  # accelerator tensors go to torch first (see _devices)
 
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
@@ -219,10 +221,21 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
                 elif isinstance(value, (list, tuple)):
                     found_host, found_kind = _devices_of(value)
                     host, kind = host or found_host, kind or found_kind
-            if kind is not None and not _config.settings().host_staging:
-                kind = None  # host staging off (the default): accelerator tensors go to torch undecided
-            if not host and kind is None:
-                return wrapped(*args, **kwargs)
+            refused = None
+            if not host:
+                if kind is None:
+                    return wrapped(*args, **kwargs)
+                if lazy:  # accelerator tensors only, on a collective that needs the host only where torch refuses
+                    try:
+                        return wrapped(*args, **kwargs)
+                    except RuntimeError as error:
+                        if not (_config.settings().host_staging and _devices.lacks_backend(error)):
+                            raise
+                        refused = error
+                elif not _config.settings().host_staging:
+                    return wrapped(*args, **kwargs)
+            elif kind is not None and not _config.settings().host_staging:
+                kind = None  # host staging off: accelerator tensors go to torch undecided
             group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
             # Accelerator tensors through the host, where the group runs this collective on them only so.
             through_host = (
@@ -230,6 +243,8 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
             )
             served = group is None or host and _devices.host_calls_served(group)
             if (served or not host) and not through_host:
+                if refused is not None:
+                    raise refused
                 return wrapped(*args, **kwargs)
             values = {param: args[at] if len(args) > at else kwargs.get(param) for param, at in positions}
             tensors = list(_tensors(values.values()))
@@ -240,6 +255,8 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
                 source = _devices.host_staging_for(tensors, group, name)
                 device = None if source is None else _HOST
             if device is None:
+                if refused is not None:
+                    raise refused
                 return wrapped(*args, **kwargs)
             for param, refusal in refusals.items():
                 refuse_as_torch(refusal, _tensors([values[param]]))

@@ -50,14 +50,24 @@ def _functional_wrapper(collective: str, input_name: str):
 
     def make(original):
         parameters = Parameters(original)
+        lazy = _devices.refused_for_host(name)  # accelerator inputs go to torch first (see _devices)
 
         def wrapper(wrapped, instance, args, kwargs):
             value = parameters.get(args, kwargs, input_name)
             coalesced = isinstance(value, (list, tuple))
             inputs = list(value) if coalesced else [value]
             host = any(_staging.needs_staging(t) for t in inputs)
-            if not host and not _config.settings().host_staging:
-                return wrapped(*args, **kwargs)
+            refused = None
+            if not host:
+                if lazy:  # accelerator inputs on a collective that needs the host only where torch refuses them
+                    try:
+                        return wrapped(*args, **kwargs)
+                    except RuntimeError as error:
+                        if not (_config.settings().host_staging and _devices.lacks_backend(error)):
+                            raise
+                        refused = error
+                elif not _config.settings().host_staging:
+                    return wrapped(*args, **kwargs)
             group = _devices.resolve_functional_group(
                 parameters.get(args, kwargs, "group"), parameters.get(args, kwargs, "tag", "")
             )
@@ -73,6 +83,8 @@ def _functional_wrapper(collective: str, input_name: str):
                 else:
                     device = _devices.staging_device_for_call(inputs, group, name)
             if device is None:
+                if refused is not None:
+                    raise refused
                 return wrapped(*args, **kwargs)
             nbytes = _counters.host_bytes(inputs, source)
             try:

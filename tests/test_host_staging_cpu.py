@@ -35,7 +35,7 @@ def check_decision():
     """Which accelerator tensors go through the host: a Gloo group serves CUDA for most collectives and not for
     point-to-point or the functional all_gather; it serves no XPU, MTIA or MPS tensor at all, which all go through
     the host; a group without a CPU backend leaves them to torch (its own error); ``meta`` and host tensors are never
-    host-staged; it is off unless the setting switches it on."""
+    host-staged; the setting switches it off."""
     offload_shim.install()
     gloo = dist.group.WORLD
     cuda_only = dist.new_group([0, 1], backend="cuda:gloo")
@@ -53,7 +53,8 @@ def check_decision():
                         [tensor], group, C10D + collective)
         # a call mixing host and accelerator tensors: only the accelerator's are staged (the host's are served)
         mixed = _devices.host_staging_for([torch.ones(4), cuda], gloo, C10D + "send")
-    switched_off = _devices.host_staging_for([cuda], gloo, C10D + "send")  # off by default
+    with configured(host_staging=False):
+        switched_off = _devices.host_staging_for([cuda], gloo, C10D + "send")
     return decided, switched_off, mixed, sorted(tensors)
 
 
@@ -89,10 +90,23 @@ def test_partly_served_names_only_wrapped_collectives():
 def test_host_staging_setting_reads_the_environment(monkeypatch):
     from offload_shim import _config
 
-    monkeypatch.setenv(_config.ENV_HOST_STAGING, "1")
-    assert _config.settings_from_environment().host_staging is True
+    monkeypatch.setenv(_config.ENV_HOST_STAGING, "0")
+    assert _config.settings_from_environment().host_staging is False
     monkeypatch.setenv(_config.ENV_HOST_STAGING, "")
-    assert _config.settings_from_environment().host_staging is False  # off by default
+    assert _config.settings_from_environment().host_staging is True  # on by default
     monkeypatch.setenv(_config.ENV_HOST_STAGING, "sometimes")
     with pytest.raises(_config.ConfigError, match="OFFLOAD_SHIM_HOST_STAGING='sometimes' is not a boolean"):
         _config.settings_from_environment()
+
+
+def test_which_collectives_wait_for_torchs_refusal():
+    """The collectives that every partly-serving backend runs on its accelerator's tensors go to torch first, and
+    reach the host only through torch's refusal ("No backend type associated with device type ..."); the others ask
+    their group first."""
+    lazy = {c for c in ("all_reduce", "broadcast", "all_gather_into_tensor", "send", "batch_isend_irecv")
+            if _devices.refused_for_host(C10D + c)}
+    assert lazy == {"all_reduce", "broadcast", "all_gather_into_tensor"}
+    assert _devices.refused_for_host(C10D + "_functional_collectives.all_reduce")
+    assert not _devices.refused_for_host(C10D + "_functional_collectives.all_gather_tensor")
+    assert _devices.lacks_backend(RuntimeError("No backend type associated with device type xpu"))
+    assert not _devices.lacks_backend(RuntimeError("Connection closed by peer"))

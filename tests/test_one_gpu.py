@@ -34,6 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator"),
 ]
 POINT_TO_POINT = {"send_recv", "batch_isend_irecv"}
+C10D = "torch.distributed."
 # What Dynamo turns into functional collectives (its graph), which Gloo runs on CUDA tensors for all_reduce only:
 # its functional all_gather of a CUDA tensor crashed the ranks (one-gpu.md). On two ranks of cuda:gloo, the
 # families Dynamo graph-breaks on (run eagerly, through the c10d wrappers) and all_reduce.
@@ -152,8 +153,7 @@ def check_accelerator_tensors_through_host():
     all_gather) go through the host and equal staging by hand; the calls Gloo serves on them stay untouched."""
     import torch.distributed._functional_collectives as funcol
 
-    offload_shim.install()
-    offload_shim.configure(host_staging=True)  # off by default
+    offload_shim.install()  # host staging is on by default
     device, rank, world = _accelerator(), dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world, (rank - 1) % world
     value = torch.arange(6.0, device=device) + 10 * rank
@@ -190,6 +190,22 @@ def check_accelerator_tensors_through_host():
     routes = {(key.op.rpartition(".")[2], key.route) for key in offload_shim.staging_counters()}
     assert routes == {("batch_isend_irecv", "host"), ("send", "host"), ("recv", "host"), ("isend", "host"),
                       ("irecv", "host"), ("all_gather_tensor", "host")}, routes
+    # A group with no backend for CUDA (cpu:gloo, as Gloo is for XPU, NPU, MPS): torch refuses, and the call goes
+    # through the host, in place, listed and functional.
+    offload_shim.reset_staging_counters()
+    host_only = dist.new_group(list(range(world)), backend="cpu:gloo")
+    reduced, gathered_in_place = value.clone(), torch.zeros(6 * world, device=device)
+    dist.all_reduce(reduced, group=host_only)
+    dist.all_gather_into_tensor(gathered_in_place, value, group=host_only)
+    functional = funcol.all_reduce(value, "sum", host_only)
+    torch.accelerator.synchronize()
+    total = sum(torch.arange(6.0) + 10 * r for r in range(world))
+    assert reduced.device == device and same_bits(reduced.cpu(), total)
+    assert same_bits(functional.cpu(), total) and functional.device == device
+    assert same_bits(gathered_in_place.cpu(), torch.cat([torch.arange(6.0) + 10 * r for r in range(world)]))
+    routes = {(key.op, key.route) for key in offload_shim.staging_counters()}
+    assert routes == {(C10D + "all_reduce", "host"), (C10D + "all_gather_into_tensor", "host"),
+                      (C10D + "_functional_collectives.all_reduce", "host")}, routes
     # Served by Gloo on CUDA: untouched.
     offload_shim.reset_staging_counters()
     reduced = value.clone()
