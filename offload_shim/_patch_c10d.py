@@ -108,15 +108,14 @@ def _in_place_wrapper(collective: str):
             if not isinstance(tensor, torch.Tensor):
                 return wrapped(*args, **kwargs)
             if not tensor.is_cpu:  # an accelerator's tensor: through the host where the group has no backend for it
-                try:  # torch refuses that before any communication (every backend that has one runs this collective)
-                    return wrapped(*args, **kwargs)
-                except RuntimeError as error:
-                    if not (_config.settings().host_staging and _devices.lacks_backend(error)):
-                        raise
-                    group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
-                    kind = None if group is None else _devices.host_staging_for((tensor,), group, name)
-                    if kind is None:
-                        raise
+                # torch refuses that before any communication (every backend that has one runs this collective)
+                result, refused = _devices.torch_first(wrapped, args, kwargs)
+                if refused is None:
+                    return result
+                group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
+                kind = None if group is None else _devices.host_staging_for((tensor,), group, name)
+                if kind is None:
+                    raise refused
                 reads, writes = _roles(collective, parameters, args, kwargs, group) if has_roles else (True, True)
                 try:
                     return _staged_whole(wrapped, parameters, args, kwargs, {"tensor": (reads, writes)}, _HOST, kind)
@@ -226,12 +225,9 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
                 if kind is None:
                     return wrapped(*args, **kwargs)
                 if lazy:  # accelerator tensors only, on a collective that needs the host only where torch refuses
-                    try:
-                        return wrapped(*args, **kwargs)
-                    except RuntimeError as error:
-                        if not (_config.settings().host_staging and _devices.lacks_backend(error)):
-                            raise
-                        refused = error
+                    result, refused = _devices.torch_first(wrapped, args, kwargs)
+                    if refused is None:
+                        return result
                 elif not _config.settings().host_staging:
                     return wrapped(*args, **kwargs)
             elif kind is not None and not _config.settings().host_staging:

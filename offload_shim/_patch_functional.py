@@ -60,18 +60,17 @@ def _functional_wrapper(collective: str, input_name: str):
             refused = None
             if not host:
                 if lazy:  # accelerator inputs on a collective that needs the host only where torch refuses them
-                    try:
-                        return wrapped(*args, **kwargs)
-                    except RuntimeError as error:
-                        if not (_config.settings().host_staging and _devices.lacks_backend(error)):
-                            raise
-                        refused = error
+                    result, refused = _devices.torch_first(wrapped, args, kwargs)
+                    if refused is None:
+                        return result
                 elif not _config.settings().host_staging:
                     return wrapped(*args, **kwargs)
             group = _devices.resolve_functional_group(
                 parameters.get(args, kwargs, "group"), parameters.get(args, kwargs, "tag", "")
             )
             if group is None:
+                if refused is not None:
+                    raise refused
                 return wrapped(*args, **kwargs)
             source, device = "cpu", None
             if not host:  # accelerator inputs: through the host where the group has no path for them

@@ -110,3 +110,30 @@ def test_which_collectives_wait_for_torchs_refusal():
     assert not _devices.refused_for_host(C10D + "_functional_collectives.all_gather_tensor")
     assert _devices.lacks_backend(RuntimeError("No backend type associated with device type xpu"))
     assert not _devices.lacks_backend(RuntimeError("Connection closed by peer"))
+
+
+def test_torch_first_keeps_only_torchs_refusal_of_a_device_type():
+    """torch's result comes back as it is; its refusal of a device type the group has no backend for is handed to
+    the caller (host staging on) or raised as torch raised it (off); any other error propagates unchanged."""
+    refusal = RuntimeError("No backend type associated with device type xpu")
+    other = RuntimeError("Connection closed by peer")
+
+    def raising(error):
+        def call(*args, **kwargs):
+            raise error
+        return call
+
+    result = object()
+    assert _devices.torch_first(lambda *a, **k: (a, k), (1,), {"group": None}) == (((1,), {"group": None}), None)
+    assert _devices.torch_first(lambda: result, (), {})[0] is result
+    with configured(host_staging=True):
+        assert _devices.torch_first(raising(refusal), (), {}) == (None, refusal)
+        with pytest.raises(RuntimeError) as raised:
+            _devices.torch_first(raising(other), (), {})
+        assert raised.value is other
+        with pytest.raises(ValueError, match="not a RuntimeError"):
+            _devices.torch_first(raising(ValueError("not a RuntimeError")), (), {})
+    with configured(host_staging=False):
+        with pytest.raises(RuntimeError) as raised:
+            _devices.torch_first(raising(refusal), (), {})
+        assert raised.value is refusal
