@@ -366,6 +366,10 @@ def serves_accelerator(group: dist.ProcessGroup, device_type: str, collective: s
     return answer
 
 
+# (weak reference to a group, device type, collective, the settings then, the answer)
+_last_accelerator: tuple = (lambda: None, None, None, None, True)
+
+
 def accelerator_call_served(group: dist.ProcessGroup, device_type: str, collective: str) -> bool:
     """Whether a call of ``collective`` on ``group`` with tensors of ``device_type`` (not the host's) goes to torch
     untouched: host staging is off, the group runs it on them, or it serves no CPU either. The served path's question
@@ -386,9 +390,6 @@ def accelerator_call_served(group: dist.ProcessGroup, device_type: str, collecti
     except TypeError:  # a group type without weak references: not remembered
         pass
     return answer
-
-
-_last_accelerator: tuple = (lambda: None, None, None, None, True)
 
 
 def host_staging_for(tensors, group: dist.ProcessGroup, collective: str) -> str | None:
