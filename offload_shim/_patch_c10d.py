@@ -164,9 +164,6 @@ def _in_place_wrapper(collective: str):
     return make
 
 
-
-
-
 def _staged_whole(wrapped, parameters, args, kwargs, roles: Mapping[str, tuple[bool, bool]], device, source: str):
     """``wrapped(*args, **kwargs)`` with the tensors of ``source`` among the parameters of ``roles`` (name to
     ``(reads, writes)``) staged whole through ``device``; the result, or for an asynchronous call its handle, as

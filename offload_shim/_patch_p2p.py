@@ -15,11 +15,10 @@ wrapper would be taken for a receive once :func:`offload_shim.uninstall` has bou
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 import functools
 
 import torch
+import torch.distributed as dist
 
 from offload_shim import _counters, _devices, _staging
 from offload_shim._patch_c10d import (
