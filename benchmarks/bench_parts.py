@@ -173,8 +173,8 @@ def main() -> None:
         say("small_steps_us", out)
 
     if wanted is None or "pageable_timeline" in wanted:
-        spent = {"host_copies": 0.0, "copy_out": 0.0, "agree": 0.0, "calls": 0}
-        originals = (_pipeline._host_copies, _pipeline._copy_out, _pipeline._agree)
+        spent = {"host_copies": 0.0, "copy_after": 0.0, "agree": 0.0, "calls": 0}
+        originals = (_pipeline._host_copies, _pipeline._copy_after, _pipeline._agree)
 
         def timed(key, fn):
             def run(*a, **k):
@@ -186,7 +186,7 @@ def main() -> None:
             return run
 
         _pipeline._host_copies = timed("host_copies", originals[0])
-        _pipeline._copy_out = timed("copy_out", originals[1])
+        _pipeline._copy_after = timed("copy_after", originals[1])
         _pipeline._agree = timed("agree", originals[2])
         t = torch.ones(64 * MiB)
         dist.all_reduce(t)
@@ -199,7 +199,7 @@ def main() -> None:
             start = time.perf_counter()
             dist.all_reduce(t)
             total = time.perf_counter() - start
-        _pipeline._host_copies, _pipeline._copy_out, _pipeline._agree = originals
+        _pipeline._host_copies, _pipeline._copy_after, _pipeline._agree = originals
         say("pageable_256MiB_last_call_ms", {"total": total * 1e3, **{k: v * 1e3 for k, v in spent.items() if k != "calls"}})
 
     if wanted is None or "copies" in wanted:

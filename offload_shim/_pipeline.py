@@ -14,10 +14,10 @@ elementwise per position; gathers and scatters do not come here. Before the firs
 check that they all split the call alike (:func:`_agree`), overlapped with that chunk's H2D.
 
 Host memory: a pinned caller tensor is copied to and from directly. A pageable one takes
-:data:`PAGEABLE_PATH`: ``"bounce"`` copies each chunk through two pinned host buffers of the pool, with host
-copies split over :func:`copy_threads` threads (one thread copies at a fraction of what the host's memory
-allows), overlapped with the other chunks' DMA; ``"driver"`` hands the pageable chunk to the runtime's own
-(synchronous) staged copy. A ``broadcast`` copies only what it needs: the source rank's chunks go H2D only, the
+:data:`PAGEABLE_PATH`: ``"bounce"`` copies each chunk through two pinned host buffers of the pool per direction,
+the host copies into them and out of them on two copy lanes (threads) of their own, so that chunk ``i+1``'s copy
+in, chunk ``i-1``'s copy out and chunk ``i``'s DMA and collective all run at once; ``"driver"`` hands the pageable
+chunk to the runtime's own (synchronous) staged copy. A ``broadcast`` copies only what it needs: the source rank's chunks go H2D only, the
 other ranks' D2H only. A non-contiguous tensor goes through a contiguous pinned host copy. Only synchronous
 calls are pipelined: an asynchronous one must not wait for its peers, as the agreement check does.
 
@@ -26,7 +26,6 @@ Staging through ``cpu`` (the testing configuration) runs the same loop with plai
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import os
@@ -51,11 +50,11 @@ SLOTS = 2
 MIN_PIPELINED_CHUNKS = 2
 
 
-# Host copies are split over the copy threads in pieces of at least this size: smaller pieces cost more in thread
-# hand-offs than they gain (measured: 16 threads copied 16 MiB at 12.6 GB/s in 1 MiB pieces, 32.6 GB/s in 4 MiB
-# pieces, 4 threads at 31.9 GB/s; one thread 13.8 GB/s;
-# results/gpu/2026-11-30-two-h200-call-parts/parts.log).
-MIN_THREADED_COPY_BYTES = 4 << 20
+# Host copies are split over the copy threads in pieces of at least this size: smaller pieces cost more than they
+# gain (one H200 host, 256 MiB pageable to pinned: one thread 12.3 GB/s in 1 MiB pieces, 31.1 in 4 MiB, 37.9 in
+# 16 MiB; 8 threads 40.2 in 16 MiB pieces: the host's memory, not the thread count, is the limit;
+# results/gpu/2026-12-01-one-h200-host-memory-probe/probe.log).
+MIN_THREADED_COPY_BYTES = 16 << 20
 
 
 def copy_threads() -> int:
@@ -106,9 +105,24 @@ def _host_copies(pairs) -> None:
         raise error
 
 
+_lanes: dict = globals().get("_lanes", {})  # direction -> single-thread executor, made on first use
+
+
+def _lane(direction: str) -> concurrent.futures.ThreadPoolExecutor:
+    """The copy lane of ``direction`` (``"in"``: pageable memory into bounce buffers; ``"out"``: back), one thread
+    each: the pipeline's host copies run there, in order, beside the thread that queues chunks. A lane's copy may
+    fan out over the copy threads (:func:`_host_copies`), an executor of its own, so no copy waits on its own pool."""
+    with _copy_pool_lock:
+        lane = _lanes.get(direction)
+        if lane is None:
+            lane = _lanes[direction] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"offload_shim_{direction}")
+    return lane
+
+
 def _forget_copy_pool() -> None:
-    """In a forked child: the parent's copy threads are not there, so its executor would never run a piece."""
+    """In a forked child: the parent's copy threads are not there, so its executors would never run a copy."""
     _copy_pool.clear()
+    _lanes.clear()
 
 
 if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
@@ -346,61 +360,97 @@ def stage_in_place(
 
 def _run_chunks(pool, source, launch, group, collective, *, reads, writes):
     """Queue the chunks of ``source`` (a flat host tensor) through ``pool``: H2D, the collective, D2H back into
-    ``source``. Pageable memory goes through the pool's pinned bounce buffers (:data:`PAGEABLE_PATH` ``"bounce"``),
-    host copies on the copy threads. Returns an event completed once every D2H copy has (every host copy out of a
-    bounce buffer has finished when this returns)."""
+    ``source``. Pageable memory goes through the pool's pinned bounce buffers (:data:`PAGEABLE_PATH` ``"bounce"``):
+    chunk ``i + 1``'s copy into a bounce buffer and chunk ``i - 1``'s copy out of one run on the two copy lanes
+    (:func:`_lane`) while this thread queues chunk ``i``'s copies and collective. Returns an event completed once
+    every D2H copy has (every host copy out of a bounce buffer has finished when this returns)."""
     device = pool.device
     itemsize = source.element_size()
     per_chunk = max(1, pool.chunk_bytes // itemsize)
+    starts = range(0, source.numel(), per_chunk)
     pinned = _staging._is_pinned(source)
     bounce_in = PAGEABLE_PATH == "bounce" and reads and not pinned
     bounce_out = PAGEABLE_PATH == "bounce" and writes and not pinned
-    pending = collections.deque()
+    copies_in = {}  # chunk index -> future of its copy into a bounce buffer
+    copies_out = [None] * len(pool.slots)  # slot -> future of the copy out of its bounce buffer
+
+    def chunk(index: int) -> torch.Tensor:
+        return source[starts[index] : starts[index] + per_chunk]
+
+    def bounce(direction: str, index: int) -> torch.Tensor:
+        return pool.host(direction, index % len(pool.slots))[: chunk(index).numel() * itemsize].view(source.dtype)
+
+    def copy_in(index: int) -> None:  # after the last H2D copy out of that bounce buffer
+        after = pool.host_in_free[index % len(pool.slots)]
+        copies_in[index] = _lane("in").submit(_copy_after, after, bounce("in", index), chunk(index))
 
     # Outside autograd, like the in-place collective it completes (the caller's tensor may require grad); an
     # inference tensor is written in inference mode, as torch's C++ collectives write it.
     with _staging.staged_call(), torch.no_grad(), _staging.writable(source):
-        pool.h2d.wait_stream(_current_stream(device))
-        for index, start in enumerate(range(0, source.numel(), per_chunk)):
-            s = index % len(pool.slots)
-            host_chunk = source[start : start + per_chunk]
-            slot = pool.slots[s][: host_chunk.numel() * itemsize].view(source.dtype)
-            if pool.slot_free[s] is not None:
-                pool.h2d.wait_event(pool.slot_free[s])
-            if reads:
-                staged = host_chunk
-                if bounce_in:
-                    if pool.host_in_free[s] is not None:
-                        pool.host_in_free[s].synchronize()
-                    staged = pool.host("in", s)[: slot.numel() * itemsize].view(source.dtype)
-                    _host_copies([(staged, host_chunk)])
+        try:
+            pool.h2d.wait_stream(_current_stream(device))
+            if bounce_in:
+                copy_in(0)
+            for index in range(len(starts)):
+                s = index % len(pool.slots)
+                host_chunk = chunk(index)
+                slot = pool.slots[s][: host_chunk.numel() * itemsize].view(source.dtype)
+                if pool.slot_free[s] is not None:
+                    pool.h2d.wait_event(pool.slot_free[s])
+                if reads:
+                    staged = host_chunk
+                    if bounce_in:
+                        copies_in.pop(index).result()
+                        staged = bounce("in", index)
+                    with _current(pool.h2d):
+                        _staging.bits(slot).copy_(_staging.bits(staged), non_blocking=True)
+                    if bounce_in:
+                        pool.host_in_free[s] = pool.h2d.record_event()
+                        if index + 1 < len(starts):
+                            copy_in(index + 1)
+                if index == 0:  # behind the first chunk's H2D
+                    _agree(group, device, collective, source.numel(), source.dtype, pool.chunk_bytes)
                 with _current(pool.h2d):
-                    _staging.bits(slot).copy_(_staging.bits(staged), non_blocking=True)
-                if bounce_in:
-                    pool.host_in_free[s] = pool.h2d.record_event()
-            if index == 0:  # behind the first chunk's H2D
-                _agree(group, device, collective, source.numel(), source.dtype, pool.chunk_bytes)
-            with _current(pool.h2d):
-                work = launch(slot)
-            with _current(pool.d2h):
-                work.wait()  # the D2H stream waits on the collective (Gloo: the collective has finished)
-            if writes:
-                landing = pool.host("out", s)[: slot.numel() * itemsize].view(source.dtype) if bounce_out else host_chunk
+                    work = launch(slot)
                 with _current(pool.d2h):
-                    _staging.bits(landing).copy_(_staging.bits(slot), non_blocking=pinned or bounce_out)
-                if bounce_out:
-                    pending.append((pool.d2h.record_event(), landing, host_chunk))
-            pool.slot_free[s] = pool.d2h.record_event()
-            while len(pending) > 1:  # the newest chunk's copy is still in flight; copy out the older one
-                _copy_out(pending.popleft())
-        done = pool.d2h.record_event()
-        while pending:
-            _copy_out(pending.popleft())
+                    work.wait()  # the D2H stream waits on the collective (Gloo: the collective has finished)
+                if writes:
+                    landing = host_chunk
+                    if bounce_out:
+                        landing = bounce("out", index)
+                        if copies_out[s] is not None:  # that bounce buffer's last copy out has finished
+                            copies_out[s].result()
+                    with _current(pool.d2h):
+                        _staging.bits(landing).copy_(_staging.bits(slot), non_blocking=pinned or bounce_out)
+                    if bounce_out:
+                        copies_out[s] = _lane("out").submit(_copy_after, pool.d2h.record_event(), host_chunk, landing)
+                pool.slot_free[s] = pool.d2h.record_event()
+            done = pool.d2h.record_event()
+        except BaseException:  # every copy this call started ends before the pool is given back
+            _settle([*copies_in.values(), *copies_out], quietly=True)
+            raise
+        _settle(copies_out)
     return done
 
 
-def _copy_out(entry) -> None:
-    """Copy a chunk out of a bounce buffer into the caller's memory, once its D2H copy has finished."""
-    event, landing, destination = entry
-    event.synchronize()
-    _host_copies([(destination, landing)])
+def _copy_after(event, destination: torch.Tensor, source: torch.Tensor) -> None:
+    """On a copy lane: once ``event`` (if any) has completed, copy ``source`` into ``destination`` (flat host
+    tensors of one dtype) on the copy threads."""
+    if event is not None:
+        event.synchronize()
+    _host_copies([(destination, source)])
+
+
+def _settle(futures, quietly: bool = False) -> None:
+    """Wait for every future of ``futures`` (``None`` entries skipped); then raise the first one's error, if any,
+    unless ``quietly``."""
+    error = None
+    for future in futures:
+        if future is None:
+            continue
+        try:
+            future.result()
+        except BaseException as exc:
+            error = error or exc
+    if error is not None and not quietly:
+        raise error

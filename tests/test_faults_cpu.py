@@ -317,15 +317,15 @@ import multiprocessing, sys, torch
 from offload_shim import _pipeline
 
 def copy(connection):
-    source, destination = torch.ones(2 << 20), torch.empty(2 << 20)  # 8 MiB: two 4 MiB pieces
-    _pipeline._host_copies([(destination, source)])
+    source, destination = torch.ones(8 << 20), torch.empty(8 << 20)  # 32 MiB: two 16 MiB pieces
+    _pipeline._lane("in").submit(_pipeline._copy_after, None, destination, source).result(60)
     connection.send(bool(torch.equal(destination, source)))
 
 if _pipeline.copy_threads() < 2:
     sys.exit(3)  # one CPU: host copies are not split over threads
-source, destination = torch.ones(2 << 20), torch.empty(2 << 20)
-_pipeline._host_copies([(destination, source)])
-assert _pipeline._copy_pool, "the parent's copies were not split over threads"
+source, destination = torch.ones(8 << 20), torch.empty(8 << 20)
+_pipeline._lane("in").submit(_pipeline._copy_after, None, destination, source).result()
+assert _pipeline._copy_pool and _pipeline._lanes, "the parent's copies were not split over threads"
 context = multiprocessing.get_context("fork")
 receiver, sender = context.Pipe(duplex=False)
 child = context.Process(target=copy, args=(sender,))
@@ -339,8 +339,8 @@ sys.exit(0 if finished and receiver.recv() is True else 1)
 
 
 def test_copy_threads_work_in_a_forked_child():
-    """A child forked after the parent's copy threads started makes its own (the parent's executor has no threads
-    in the child: unchecked, the child waited forever for its pieces). In a process of its own with one intra-op
+    """A child forked after the parent's copy lane and threads started makes its own (the parent's executors have
+    no threads in the child: unchecked, the child waited forever for its pieces). In a process of its own with one intra-op
     thread, as torchrun starts ranks (torch's own OpenMP copies hang in a child forked after they ran threaded)."""
     import os
     import subprocess

@@ -693,19 +693,20 @@ def test_small_calls_reuse_one_slot_per_thread(gloo_ranks):
 
 
 def check_threaded_host_copies():
-    """Pageable tensors of several 8 MiB chunks: bounce-buffer copies split over the copy threads (two 4 MiB pieces
-    a chunk), bit for bit equal to the unstaged call."""
-    base = rank_input((5 * (1 << 20) + 3,), torch.float32, seed=9)  # 20 MiB and 12 bytes: a short last chunk
+    """Pageable tensors of several 32 MiB chunks: bounce-buffer copies on the two copy lanes, each split over the
+    copy threads (two 16 MiB pieces a chunk), bit for bit equal to the unstaged call."""
+    base = rank_input((20 * (1 << 20) + 3,), torch.float32, seed=9)  # 80 MiB and 12 bytes: a short last chunk
     expected = base.clone()
     dist.all_reduce(expected)
     tensor = base.clone()
-    with staging_through_cpu(chunk_bytes=8 << 20) as devices:
+    with staging_through_cpu(chunk_bytes=32 << 20) as devices:
         dist.all_reduce(tensor)
     assert devices == ["cpu"]
     assert same_bits(tensor, expected)
-    return _pipeline.copy_threads(), bool(_pipeline._copy_pool)
+    return _pipeline.copy_threads(), bool(_pipeline._copy_pool), sorted(_pipeline._lanes)
 
 
 def test_threaded_host_copies(gloo_ranks):
-    for threads, pool_made in gloo_ranks.run(check_threaded_host_copies):
+    for threads, pool_made, lanes in gloo_ranks.run(check_threaded_host_copies):
         assert pool_made == (threads > 1)  # the copies were split over threads wherever there are two CPUs
+        assert lanes == ["in", "out"]
