@@ -1,6 +1,7 @@
-"""Staging benchmark, on two accelerators of one host: every figure and its references in one process run, so
-that ratios hold.
+"""Staging benchmark, on one or two accelerators of one host: every figure and its references in one process run,
+so that ratios hold.
 
+    torchrun --nproc_per_node 1 benchmarks/bench_staging.py --out DIR [--quick]   # one GPU: a one-rank NCCL group
     torchrun --nproc_per_node 2 benchmarks/bench_staging.py --out DIR [--quick]
     torchrun --nproc_per_node 2 benchmarks/bench_staging.py --out DIR --smoke     # CPU only: Gloo, tiny sizes
 
@@ -9,13 +10,15 @@ Sections (``kind`` of each JSON record):
 * ``copy_limits``: pinned H2D and D2H of 256 MiB on both ranks at once (the floor: bytes over that H2D
   bandwidth), both directions at once on both ranks (the duplex limit an all_reduce cannot beat), and the same
   DMA with the host copies that pageable memory needs beside it, on the copy threads (the pageable limit).
-* ``small``: per-call latency of a 0-dim fp32 SUM and a 1-element int8 MIN all_reduce of a pageable CPU tensor:
-  offload_shim on a NCCL-only group, staging by hand (``t.to(dev)``, all_reduce, copy back), Gloo
-  (``cpu:gloo,cuda:nccl``, no shim), and the GPU-resident call followed by a stream sync.
+* ``small``: per-call latency of a 0-dim fp32 SUM and a 1-element int8 MIN all_reduce, and of the same tensors'
+  broadcast from rank 0, of a pageable CPU tensor: offload_shim on a NCCL-only group (replayed from a CUDA graph
+  after the first call), staging by hand (``t.to(dev)``, the call, copy back), Gloo (``cpu:gloo,cuda:nccl``, no
+  shim), and the GPU-resident call followed by a stream sync.
 * ``served``: CPU time the wrappers add to calls that need no staging: alternating blocks with the shim installed
   and uninstalled in this process, the calling thread's CPU time per call, each side's minimum.
-* ``pageable``: all_reduce of 256 MiB pageable fp32 (threaded bounce buffers, the runtime's staged copy, pinned,
-  staging by hand) against the floor and the pageable limit; and how soon ``async_op=True`` returns.
+* ``pageable``: all_reduce of 256 MiB pageable fp32 (bounce buffers, the runtime's staged copy, pinned, a pageable
+  tensor registered at its second call with ``register_bytes`` set, staging by hand) against the floor and the
+  pageable limit; and how soon ``async_op=True`` returns.
 * ``full_tensor``: an FSDP2-offloaded 512 MiB weight (and one with uneven shards): Gloo, staging by hand,
   offload_shim, GPU-resident; peak extra accelerator memory in chunks.
 * ``weight_sync``: an RL weight sync of a 4 GiB bf16 FSDP2-offloaded model (every parameter: ``full_tensor()``,
@@ -143,39 +146,56 @@ def copy_limits(bench, nbytes: int) -> dict:
     def host_copies():
         _pipeline._host_copies([(bounce_in, pageable_in), (pageable_out, bounce_out)])
 
+    def host_copy_in():
+        _pipeline._host_copies([(bounce_in, pageable_in)])
+
     times = bench.compare({"h2d": (False, only_h2d), "d2h": (False, only_d2h), "duplex": (False, duplex),
-                           "host_copies": (False, host_copies), "pageable_limit": (False, pageable_limit)}, 8)
+                           "host_copy_in": (False, host_copy_in), "host_copies": (False, host_copies),
+                           "pageable_limit": (False, pageable_limit)}, 8)
+    # Host memory traffic, in bytes read plus bytes written: a DMA reads or writes each byte once; a host copy
+    # reads it and writes it.
     result = {"bytes": nbytes, "copy_threads": _pipeline.copy_threads(),
               "h2d_GBps": nbytes / times["h2d"] / 1e9, "d2h_GBps": nbytes / times["d2h"] / 1e9,
+              "host_traffic_duplex_GBps": 2 * nbytes / times["duplex"] / 1e9,
+              "host_traffic_copy_GBps": 2 * nbytes / times["host_copy_in"] / 1e9,
+              "host_traffic_copies_GBps": 4 * nbytes / times["host_copies"] / 1e9,
+              "host_traffic_pageable_limit_GBps": 6 * nbytes / times["pageable_limit"] / 1e9,
               **{f"{k}_seconds": v for k, v in times.items()}}
     bench.record(kind="copy_limits", **result)
     return result
 
 
 def small_calls(bench) -> None:
-    """Per-call latency of small staged all_reduces against Gloo, staging by hand, and GPU-resident."""
+    """Per-call latency of small staged all_reduces and broadcasts against Gloo, staging by hand, and GPU-resident
+    (each followed by a stream sync, as a staged call's result is on the host)."""
     nccl, gloo = bench.groups["nccl"], bench.groups["gloo"]
     calls = 20 if bench.smoke else 200
-    for name, tensor, op in (("0-dim fp32 SUM", torch.zeros(()), dist.ReduceOp.SUM),
-                             ("1-element int8 MIN flag", torch.ones(1, dtype=torch.int8), dist.ReduceOp.MIN)):
+    cases = (("all_reduce", "0-dim fp32 SUM", torch.zeros(()), {"op": dist.ReduceOp.SUM}),
+             ("all_reduce", "1-element int8 MIN flag", torch.ones(1, dtype=torch.int8), {"op": dist.ReduceOp.MIN}),
+             ("broadcast", "0-dim fp32 from rank 0", torch.zeros(()), {"src": 0}),
+             ("broadcast", "1-element int8 from rank 0", torch.ones(1, dtype=torch.int8), {"src": 0}))
+    for op, name, tensor, kwargs in cases:
         resident = tensor.to(bench.device)
+        call = getattr(dist, op)
 
         def hand():
             staged = tensor.to(bench.device)
-            dist.all_reduce(staged, op=op, group=nccl)
+            call(staged, group=nccl, **kwargs)
             tensor.copy_(staged)
 
         def gpu_resident():
-            dist.all_reduce(resident, op=op, group=nccl)
+            call(resident, group=nccl, **kwargs)
             bench.sync()
 
         times = bench.compare({
-            "offload_shim": (True, lambda: dist.all_reduce(tensor, op=op, group=nccl)),
+            "offload_shim": (True, lambda: call(tensor, group=nccl, **kwargs)),
             "hand_staging": (False, hand),
-            "gloo": (False, lambda: dist.all_reduce(tensor, op=op, group=gloo)),
+            "gloo": (False, lambda: call(tensor, group=gloo, **kwargs)),
             "gpu_resident": (False, gpu_resident),
         }, rounds=5 if bench.quick else 15, calls=calls)
-        bench.record(kind="small", case=name, calls_per_round=calls, **{f"{k}_seconds": v for k, v in times.items()})
+        modes = sorted({key.mode for key in offload_shim.staging_counters() if key.op.endswith("." + op)})
+        bench.record(kind="small", op=op, case=name, calls_per_round=calls, shim_modes=modes,
+                     **{f"{k}_seconds": v for k, v in times.items()})
 
 
 def served_path(bench) -> None:
@@ -241,12 +261,23 @@ def pageable(bench, nbytes: int, limits: dict, floor_bandwidth: float) -> None:
         dist.all_reduce(staged, group=nccl)
         t.copy_(staged)
 
+    registered = host_tensor(nbytes // 4, torch.float32, False)  # staged again and again, registration on
+
+    def with_registration():
+        previous = offload_shim.configure(register_bytes=2 * nbytes)
+        try:
+            dist.all_reduce(registered, group=nccl)
+        finally:
+            offload_shim.configure(register_bytes=previous.register_bytes)
+
     times = bench.compare({
         "offload_shim_bounce": (True, with_path("bounce")),
         "offload_shim_driver": (True, with_path("driver")),
         "offload_shim_pinned": (True, lambda: dist.all_reduce(pinned, group=nccl)),
+        "offload_shim_registered": (True, with_registration),
         "hand_staging": (False, hand),
     }, bench.rounds(nbytes))
+    registered_pinned = registered.is_pinned() if bench.device.type != "cpu" else None
     returned, done = float("inf"), float("inf")
     for _ in range(bench.rounds(nbytes) + 1):
         dist.barrier(group=nccl)
@@ -261,7 +292,7 @@ def pageable(bench, nbytes: int, limits: dict, floor_bandwidth: float) -> None:
     bench.record(kind="pageable", op="all_reduce", bytes=nbytes, floor_seconds=floor,
                  pageable_limit_seconds=limits["pageable_limit_seconds"], duplex_seconds=limits["duplex_seconds"],
                  async_returned_seconds=bench.slowest(returned), async_done_seconds=bench.slowest(done),
-                 **{f"{k}_seconds": v for k, v in times.items()})
+                 registered_is_pinned=registered_pinned, **{f"{k}_seconds": v for k, v in times.items()})
 
 
 def _offload_policy(mesh):

@@ -32,6 +32,19 @@ Every environment variable offload_shim reads is named here, once.
     group) are staged through pinned host memory. False: they go to torch, which raises (or, for Gloo's CUDA
     point-to-point, ends the process), and calls on accelerator tensors skip the decision altogether.
 
+``OFFLOAD_SHIM_GRAPHS`` (:data:`ENV_GRAPHS`)
+    A boolean, spelled as for ``OFFLOAD_SHIM``; default true. True: a small synchronous ``all_reduce``,
+    ``broadcast`` or ``reduce`` of a contiguous host tensor (at most 64 KiB) on a NCCL group is captured in a CUDA
+    graph at its second call with the same group, shape, dtype and arguments, and replayed from then on
+    (``offload_shim._replay``). False: every such call is staged through a slot.
+``OFFLOAD_SHIM_REGISTER_BYTES`` (:data:`ENV_REGISTER_BYTES`)
+    The most bytes of pageable host memory that staging may register with the accelerator (page-lock in place,
+    ``cudaHostRegister``) at once, as a size (``0``, ``4GiB``). A pageable storage staged by a pipelined call for
+    the second time is registered if it fits, the least recently staged ones making room, and stays registered
+    until its storage is freed or room is needed; its later calls copy at pinned memory's speed. While registered,
+    a storage is pinned memory to everyone: ``is_pinned()`` is true, and the process's own ``non_blocking=True``
+    copies into or out of it no longer wait for the copy, as for any pinned tensor. Default ``0``: never.
+
 ``OFFLOAD_SHIM_LOG`` (:data:`ENV_LOG`)
     ``info`` or ``debug`` (any case): offload_shim's log records (logger ``offload_shim``) go to standard error from
     that level, each line naming the process's rank (``RANK``, which torchrun sets): at ``info`` one line when the
@@ -67,10 +80,12 @@ ENV_ROUTE_MIN_BYTES = "OFFLOAD_SHIM_ROUTE_MIN_BYTES"
 ENV_LOG = "OFFLOAD_SHIM_LOG"
 ENV_SUMMARY = "OFFLOAD_SHIM_SUMMARY"
 ENV_HOST_STAGING = "OFFLOAD_SHIM_HOST_STAGING"
+ENV_GRAPHS = "OFFLOAD_SHIM_GRAPHS"
+ENV_REGISTER_BYTES = "OFFLOAD_SHIM_REGISTER_BYTES"
 LOG_LEVELS = {"info": 20, "debug": 10}  # logging.INFO, logging.DEBUG
 ENVIRONMENT = (
-    ENV_ENABLE, ENV_STAGING_DEVICE, ENV_ALWAYS_STAGE, ENV_CHUNK_BYTES, ENV_ROUTE_MIN_BYTES, ENV_HOST_STAGING, ENV_LOG,
-    ENV_SUMMARY,
+    ENV_ENABLE, ENV_STAGING_DEVICE, ENV_ALWAYS_STAGE, ENV_CHUNK_BYTES, ENV_ROUTE_MIN_BYTES, ENV_HOST_STAGING, ENV_GRAPHS,
+    ENV_REGISTER_BYTES, ENV_LOG, ENV_SUMMARY,
 )
 
 # measured: results/gpu/2026-12-01-two-h200-gpu-tests-and-benchmark/bench.log, chunk sweep
@@ -99,6 +114,8 @@ class Settings:
         summary_at_exit: print the table of staged calls to standard error at exit, on rank 0.
         host_staging: stage accelerator tensors that a group's backends do not serve for a collective through
             the host.
+        graphs: replay small synchronous in-place calls on NCCL groups from captured CUDA graphs.
+        register_bytes: the most bytes of pageable host memory registered with the accelerator at once (0: none).
     """
 
     staging_device: torch.device | None = None
@@ -107,6 +124,8 @@ class Settings:
     route_min_bytes: int | None = DEFAULT_ROUTE_MIN_BYTES
     summary_at_exit: bool = False
     host_staging: bool = True
+    graphs: bool = True
+    register_bytes: int = 0
 
 
 def parse_flag(name: str, environ=os.environ) -> bool | None:
@@ -147,7 +166,7 @@ _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
 _UNIT = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
-def _parse_bytes(value, source: str, allow_off: bool = False) -> int | None:
+def _parse_bytes(value, source: str, allow_off: bool = False, allow_zero: bool = False) -> int | None:
     if allow_off and (value is None or (isinstance(value, str) and value.strip().lower() == "off")):
         return None
     if isinstance(value, int) and not isinstance(value, bool):
@@ -161,8 +180,8 @@ def _parse_bytes(value, source: str, allow_off: bool = False) -> int | None:
                 f"B, KiB, MiB, GiB (as spelled), e.g. '16MiB'{off}"
             )
         number = int(match.group(1)) * _UNIT[match.group(2)]
-    if number < (0 if allow_off else 1):
-        raise ConfigError(f"{source}={value!r} must be {'at least 0' if allow_off else 'positive'}")
+    if number < (0 if allow_off or allow_zero else 1):
+        raise ConfigError(f"{source}={value!r} must be {'at least 0' if allow_off or allow_zero else 'positive'}")
     return number
 
 
@@ -192,6 +211,8 @@ def settings_from_environment(environ=os.environ) -> Settings:
         route_min_bytes=DEFAULT_ROUTE_MIN_BYTES if route is None else _parse_bytes(route, ENV_ROUTE_MIN_BYTES, True),
         summary_at_exit=bool(parse_flag(ENV_SUMMARY, environ)),
         host_staging=parse_flag(ENV_HOST_STAGING, environ) is not False,
+        graphs=parse_flag(ENV_GRAPHS, environ) is not False,
+        register_bytes=_parse_bytes(environ.get(ENV_REGISTER_BYTES) or "0", ENV_REGISTER_BYTES, allow_zero=True),
     )
 
 
@@ -214,6 +235,9 @@ def configure(**changes) -> Settings:
         route_min_bytes (int | str | None): smallest CPU tensor routed off Gloo; ``None`` or ``"off"``: never.
         summary_at_exit (bool): print the table of staged calls at exit, on rank 0.
         host_staging (bool): stage accelerator tensors a group does not serve for a collective through the host.
+        graphs (bool): replay small synchronous in-place calls on NCCL groups from captured CUDA graphs.
+        register_bytes (int | str): the most pageable host memory registered with the accelerator, e.g. ``"4GiB"``;
+            ``0``: none.
 
     Returns:
         The settings that were in force before, so that ``configure(**dataclasses.asdict(old))`` restores them.
@@ -230,10 +254,13 @@ def configure(**changes) -> Settings:
         changes["staging_device"] = _parse_device(changes["staging_device"], "staging_device")
     if "chunk_bytes" in changes:
         changes["chunk_bytes"] = _parse_bytes(changes["chunk_bytes"], "chunk_bytes")
+    if "register_bytes" in changes:
+        changes["register_bytes"] = _parse_bytes(changes["register_bytes"], "register_bytes", allow_zero=True)
     if "route_min_bytes" in changes:
         changes["route_min_bytes"] = _parse_bytes(changes["route_min_bytes"], "route_min_bytes", allow_off=True)
     for name, variable in (
-        ("always_stage", ENV_ALWAYS_STAGE), ("summary_at_exit", ENV_SUMMARY), ("host_staging", ENV_HOST_STAGING)
+        ("always_stage", ENV_ALWAYS_STAGE), ("summary_at_exit", ENV_SUMMARY), ("host_staging", ENV_HOST_STAGING),
+        ("graphs", ENV_GRAPHS),
     ):
         if name in changes and not isinstance(changes[name], bool):
             raise ConfigError(

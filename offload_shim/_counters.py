@@ -49,6 +49,7 @@ WHOLE = "whole"  # each staged tensor copied whole, to the staging device and ba
 SMALL = "small"  # a synchronous in-place call of at most _staging.SMALL_CALL_BYTES under two chunks, through this
 # thread's reused slot (_staging.stage_small_in_place)
 PIPELINED = "pipelined"  # in chunks (_pipeline, _pipeline_gather)
+REPLAYED = "replayed"  # a small call as SMALL, replayed from a CUDA graph captured at its second call (_replay)
 
 
 class StagingKey(NamedTuple):

@@ -29,7 +29,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from offload_shim import _config, _counters, _devices, _pipeline, _staging
+from offload_shim import _config, _counters, _devices, _pipeline, _replay, _staging
 from offload_shim._patching import Parameters, Target
 
 MODULE = "torch.distributed.distributed_c10d"
@@ -154,6 +154,12 @@ def _in_place_wrapper(collective: str):
                         call_args, call_kwargs = parameters.replace(args, kwargs, "tensor", staged)
                         return wrapped(*call_args, **call_kwargs)
 
+                    if device.type == "cuda":  # replayed from a CUDA graph where the group and call allow it
+                        other_args, other_kwargs = parameters.replace(args, kwargs, "tensor", None)
+                        call = (collective, other_args, tuple(sorted(other_kwargs.items())))
+                        if _replay.stage_small(tensor, device, group, call, run, reads=reads, writes=writes):
+                            mode = _counters.REPLAYED
+                            return None
                     return _staging.stage_small_in_place(tensor, device, run, reads=reads, writes=writes)
                 return _staged_whole(wrapped, parameters, args, kwargs, {"tensor": (reads, writes)}, device, "cpu")
             finally:
@@ -295,12 +301,14 @@ def _tensors(values):
 
 
 def _releasing_buffers(original):
-    """``destroy_process_group()`` of every group also frees the staging buffers (``_pipeline.release_buffers``):
-    they belong to no group, and no staged call can follow until a group is made again."""
+    """``destroy_process_group(group)`` first drops the group's captured small calls (``_replay``); of every group,
+    it also frees the staging buffers (``_pipeline.release_buffers``): they belong to no group, and no staged call
+    can follow until a group is made again."""
 
     def wrapper(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
         group = args[0] if args else kwargs.get("group")
+        _replay.forget(group)  # while the group's communicator still exists
+        result = wrapped(*args, **kwargs)
         if group is None:
             _pipeline.release_buffers()
         return result

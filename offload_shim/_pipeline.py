@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _devices, _staging
+from offload_shim import _config, _devices, _registration, _replay, _staging
 from offload_shim._devices import StagingError
 
 # Both chosen by measurement (benchmarks/bench_staging.py,
@@ -251,11 +251,13 @@ def _give_back(pool: _Pool) -> None:
 
 
 def release_buffers() -> None:
-    """Free the staging buffers (accelerator and pinned host memory, the pools' and the small calls' slots) after
-    their last use has finished; buffers that a call in another thread is using are freed when it is done with
-    them. The next staged call makes new ones. ``torch.distributed.destroy_process_group()`` (of every group) calls
-    this while the shim is installed."""
+    """Free the staging buffers (accelerator and pinned host memory, the pools' and the small calls' slots and
+    captured graphs) and unregister the host memory staging registered, after their last use has finished; buffers that a call in another thread is using are freed
+    when it is done with them. The next staged call makes new ones. ``torch.distributed.destroy_process_group()``
+    (of every group) calls this while the shim is installed."""
     global _generation
+    _replay.forget()
+    _registration.unregister_all()
     _staging.release_small_slots()
     with _pools_lock:
         _generation += 1
@@ -343,6 +345,8 @@ def stage_in_place(
     contiguous = tensor.is_contiguous()
     if contiguous:
         source = tensor.data.view(-1)  # written through .data, as torch's C++ writes: no version counter bump
+        if device.type == "cuda" and not _staging._is_pinned(source):  # registered at its second staging, if set
+            _registration.register_for_staging(tensor, device)
     else:  # through a contiguous pinned host copy, written back at the end
         source = _host_empty(tensor.numel(), tensor.dtype, device)
         with torch.no_grad():

@@ -217,3 +217,141 @@ def check_accelerator_tensors_through_host():
 
 def test_accelerator_tensors_through_host(gloo_ranks_on_gpu):
     gloo_ranks_on_gpu.run(check_accelerator_tensors_through_host)
+
+
+# ---------------------------------------------------------------- small calls replayed, pageable memory registered
+
+
+def _modes(op):
+    return {key.mode: count.calls for key, count in offload_shim.staging_counters().items() if key.op == C10D + op}
+
+
+def check_small_calls_replayed():
+    """On a one-rank NCCL group: small synchronous calls are staged through the slot once, then captured and
+    replayed; every call's result equals torch's call on a GPU copy, bit for bit, with fresh values each call, in
+    the caller's own tensor (same storage, version counter untouched); a call that only reads leaves the tensor as
+    it was; graphs off, a non-contiguous tensor and a destroyed group take the slot path; a replay that outlasts
+    the group's timeout raises DistBackendError and leaves the tensor unchanged."""
+    from offload_shim import _replay
+
+    offload_shim.install()
+    device = _accelerator()
+    generator = torch.Generator().manual_seed(5)
+    cases = {
+        "all_reduce fp32 0-dim SUM": ("all_reduce", (), torch.float32, {"op": dist.ReduceOp.SUM}),
+        "all_reduce int8 MIN": ("all_reduce", (1,), torch.int8, {"op": dist.ReduceOp.MIN}),
+        "all_reduce bool MAX": ("all_reduce", (5,), torch.bool, {"op": dist.ReduceOp.MAX}),
+        "broadcast fp32 from 0": ("broadcast", (3,), torch.float32, {"src": 0}),
+        "reduce bf16 to 0": ("reduce", (2, 5), torch.bfloat16, {"dst": 0}),
+    }
+    for label, (op, shape, dtype, kwargs) in cases.items():
+        offload_shim.reset_staging_counters()
+        tensor = torch.empty(shape, dtype=dtype)
+        storage, version = tensor.data_ptr(), tensor._version
+        for call in range(5):
+            fresh = (torch.rand(shape, generator=generator) * 100).to(dtype)
+            tensor.copy_(fresh)
+            expected = fresh.to(device)
+            getattr(dist, op)(expected, **kwargs)
+            getattr(dist, op)(tensor, **kwargs)
+            assert same_bits(tensor, expected.cpu()), (label, call, tensor, expected)
+        assert tensor.data_ptr() == storage and tensor._version == version + 5, label  # only the five copy_() calls
+        assert _modes(op) == {"small": 1, "replayed": 4}, (label, _modes(op))
+    # Graphs off, a non-contiguous tensor: the slot path.
+    offload_shim.reset_staging_counters()
+    with configured(graphs=False):
+        for _ in range(3):
+            dist.all_reduce(torch.ones(2))
+    strided = torch.ones(4, 2)[:, 0]
+    for _ in range(3):
+        dist.all_reduce(strided)
+    assert _modes("all_reduce") == {"small": 6}, _modes("all_reduce")
+    # A group's captures go with it; the default group's stay and replay.
+    group = _fresh_group()
+    before = _replay.captures()
+    for _ in range(3):
+        dist.all_reduce(torch.ones(()), group=group)
+    assert _replay.captures() == before + 1
+    dist.destroy_process_group(group)
+    assert _replay.captures() == before
+    offload_shim.reset_staging_counters()
+    value = torch.tensor(7.0)
+    dist.all_reduce(value)
+    assert value.item() == 7.0 and _modes("all_reduce") == {"replayed": 1}
+    # A replay that outlasts the group's timeout (the stream held by a 4 s sleep, a 1 s timeout).
+    slow = dist.new_group([0], timeout=datetime.timedelta(seconds=1))
+    assert _replay._timeout(slow) == 1.0, _replay._timeout(slow)  # else the wait below would last minutes
+    flag = torch.tensor([3.0])
+    for _ in range(2):
+        dist.all_reduce(flag, group=slow)
+    flag.fill_(4.0)
+    torch.cuda._sleep(int(8e9))  # clock cycles: 4 s at 2 GHz
+    with pytest.raises(dist.DistBackendError, match="did not finish within the group's timeout"):
+        dist.all_reduce(flag, group=slow)
+    assert flag.item() == 4.0  # unchanged
+    torch.accelerator.synchronize()
+    dist.all_reduce(flag, group=slow)
+    assert flag.item() == 4.0
+    dist.destroy_process_group(slow)
+
+
+def test_small_calls_replayed(nccl_rank):
+    nccl_rank.run(check_small_calls_replayed)
+
+
+def check_pageable_memory_registered():
+    """With a registration cap, a pageable tensor is registered at its second pipelined call and staged as pinned
+    memory after that, with results equal to torch's call on a GPU copy; a registration that does not fit makes
+    room by unregistering the least recently staged; a freed storage is unregistered; a registration that fails
+    leaves the call on the bounce path and no CUDA error behind."""
+    from offload_shim import _registration
+
+    offload_shim.install()
+    device = _accelerator()
+    generator = torch.Generator().manual_seed(6)
+
+    def check(tensor):
+        fresh = torch.randn(tensor.shape, generator=generator)
+        tensor.copy_(fresh)
+        expected = fresh.to(device)
+        dist.all_reduce(expected)
+        dist.all_reduce(tensor)
+        assert same_bits(tensor, expected.cpu())
+
+    with configured(register_bytes="36MiB", chunk_bytes="1MiB"):
+        first = torch.empty(8 << 18)  # 8 MiB: pipelined in 1 MiB chunks
+        check(first)
+        assert not first.is_pinned() and _registration.registered_bytes() == 0
+        check(first)
+        assert first.is_pinned() and _registration.registered_bytes() == 8 << 20
+        check(first)
+        second = torch.empty(8 << 20)  # 32 MiB: fits only once the first is unregistered
+        check(second)
+        check(second)
+        assert second.is_pinned() and not first.is_pinned() and _registration.registered_bytes() == 32 << 20
+        check(second)
+        del second  # its storage is freed: unregistered
+        assert _registration.registered_bytes() == 0
+        # Its last page registered by someone else: the shim's registration fails, the call takes the bounce path.
+        third = torch.empty(4 << 18)
+        last_page = third.data_ptr() + third.nbytes - 4096
+        assert int(torch.cuda.cudart().cudaHostRegister(last_page, 4096, 0)) == 0
+        try:
+            assert not third.is_pinned()
+            for _ in range(3):
+                check(third)
+            assert _registration.registered_bytes() == 0
+            torch.ones(4, device=device).add_(1)  # no stale CUDA error reported by torch's launch check
+            torch.accelerator.synchronize()
+        finally:
+            torch.cuda.cudart().cudaHostUnregister(last_page)
+        check(first)
+        check(first)
+        assert first.is_pinned()
+    with configured(register_bytes=0):  # the cap lowered: unregistered at the next pipelined call
+        check(first)
+        assert not first.is_pinned() and _registration.registered_bytes() == 0
+
+
+def test_pageable_memory_registered(nccl_rank):
+    nccl_rank.run(check_pageable_memory_registered)
