@@ -176,7 +176,9 @@ def small_calls(bench) -> None:
              ("broadcast", "1-element int8 from rank 0", torch.ones(1, dtype=torch.int8), {"src": 0}))
     for op, name, tensor, kwargs in cases:
         resident = tensor.to(bench.device)
-        call = getattr(dist, op)
+
+        def call(*args, _name=op, **call_kwargs):  # looked up at each call: the shim binds its wrapper there
+            return getattr(dist, _name)(*args, **call_kwargs)
 
         def hand():
             staged = tensor.to(bench.device)

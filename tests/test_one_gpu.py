@@ -276,8 +276,8 @@ def check_small_calls_replayed():
     assert _replay.captures() == before
     offload_shim.reset_staging_counters()
     value = torch.tensor(7.0)
-    dist.all_reduce(value)
-    assert value.item() == 7.0 and _modes("all_reduce") == {"replayed": 1}
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # the key of the first case above
+    assert value.item() == 7.0 and _modes("all_reduce") == {"replayed": 1}, _modes("all_reduce")
     # A replay that outlasts the group's timeout (the stream held by a 4 s sleep, a 1 s timeout).
     slow = dist.new_group([0], timeout=datetime.timedelta(seconds=1))
     assert _replay._timeout(slow) == 1.0, _replay._timeout(slow)  # else the wait below would last minutes
@@ -321,9 +321,10 @@ def check_pageable_memory_registered():
     with configured(register_bytes="36MiB", chunk_bytes="1MiB"):
         first = torch.empty(8 << 18)  # 8 MiB: pipelined in 1 MiB chunks
         check(first)
-        assert not first.is_pinned() and _registration.registered_bytes() == 0
+        state = lambda: (first.is_pinned(), _registration.registered_bytes(), dict(_registration._registered))  # noqa: E731
+        assert state()[:2] == (False, 0), state()
         check(first)
-        assert first.is_pinned() and _registration.registered_bytes() == 8 << 20
+        assert state()[:2] == (True, 8 << 20), state()
         check(first)
         second = torch.empty(8 << 20)  # 32 MiB: fits only once the first is unregistered
         check(second)
