@@ -57,7 +57,7 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, str]]:
                      f"{ms(r['offload_shim_pinned_seconds'])}, hand {ms(r['hand_staging_seconds'])} ms",
                      "yes" if shim <= bound else "no"))
         if "offload_shim_registered_seconds" in r:
-            registered, pinned = r["offload_shim_registered_seconds"], r["offload_shim_pinned_seconds"]
+            registered, pinned = r["offload_shim_registered_seconds"], r["offload_shim_pinned_beside_registered_seconds"]
             rows.append((f"pageable all_reduce {human(r['bytes'])} staged again, registration on: <= 1.15x pinned",
                          f"{ms(registered)} ms = {registered / pinned:.2f}x pinned",
                          f"pinned {ms(pinned)} ms; registered: {r.get('registered_is_pinned')}",

@@ -345,8 +345,7 @@ def stage_in_place(
     contiguous = tensor.is_contiguous()
     if contiguous:
         source = tensor.data.view(-1)  # written through .data, as torch's C++ writes: no version counter bump
-        if device.type == "cuda" and not _staging._is_pinned(source):  # registered at its second staging, if set
-            _registration.register_for_staging(tensor, device)
+        _registration.register_for_staging(tensor, device)  # pageable: registered at its second staging, if set
     else:  # through a contiguous pinned host copy, written back at the end
         source = _host_empty(tensor.numel(), tensor.dtype, device)
         with torch.no_grad():

@@ -40,12 +40,12 @@ def registered_bytes() -> int:
 
 
 def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
-    """Whether ``tensor``'s storage (pageable host memory, contiguous) is registered with ``device``'s runtime for
+    """Whether ``tensor``'s storage (host memory, contiguous) is registered with ``device``'s runtime for
     this call: already, or now at its second staging (see the module). ``False`` where the cap is 0, the device
     is no CUDA device, or the storage is not (yet) registered."""
     cap = _config.settings().register_bytes
     if cap <= 0 and not _registered or device.type != "cuda":
-        return False
+        return False  # (the common case, at the cost of two reads)
     storage = tensor.untyped_storage()
     pointer, nbytes = storage.data_ptr(), storage.nbytes()
     with _lock:
@@ -56,7 +56,7 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
                 _registered.move_to_end(pointer)
                 return True
             _unregister(pointer)  # another storage at that address: the registered one was resized or freed
-        if cap <= 0 or nbytes > cap or storage in _failed:
+        if cap <= 0 or nbytes > cap or storage in _failed or tensor.is_pinned():  # pinned by torch or others
             return False
         if storage not in _seen:
             _seen[storage] = True
