@@ -349,7 +349,7 @@ def check_pageable_memory_registered():
         check(first)
         check(first)
         assert first.is_pinned()
-    with configured(register_bytes=0):  # the cap lowered: unregistered at the next pipelined call
+    with configured(register_bytes=0, chunk_bytes="1MiB"):  # the cap lowered: unregistered at the next pipelined call
         check(first)
         assert not first.is_pinned() and _registration.registered_bytes() == 0
 
