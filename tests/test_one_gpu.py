@@ -11,6 +11,9 @@ staged for real through the accelerator.
   (point-to-point, the functional all_gather) go through the host and equal staging by hand; the rest stays
   untouched.
 
+* One rank on a NCCL-only group: small calls replayed from a captured CUDA graph, and pageable storages registered
+  under a cap, equal to torch's call on a GPU copy, bit for bit.
+
 Run: ``python -m pytest -o addopts="" -m gpu tests/test_one_gpu.py`` (skipped without an accelerator).
 """
 
