@@ -1,7 +1,7 @@
 """What was staged: counters by collective, route and mode (:func:`staging_counters`), one log line at the first
 staged call from each line of code, and the table printed at exit (``OFFLOAD_SHIM_SUMMARY``).
 
-Every staged call reports here from two places, in one thread:
+Every staged call but a replayed one (below) reports here from two places, in one thread:
 
 * its staging decision, :func:`decided`: ``_devices._staging_through``, which every decision to stage a call on a
   process group passes (the ``torch.distributed`` collectives in place, on lists and point-to-point, the
@@ -12,6 +12,9 @@ Every staged call reports here from two places, in one thread:
   also the call site and why the call is staged;
 * its end, :func:`count`: each family's wrapper, in a ``finally`` around its staged branch, with the call's name,
   mode and bytes. It adds the call to the counters and logs the call site's first staged call.
+
+A small call replayed from a captured CUDA graph (``_replay.replayed``) reports once, at its end
+(:func:`count_replayed`): its key's first calls, which made the capture, passed both.
 
 No other decision comes between the two in a thread: a collective called from inside a staged call is not
 staged (``_staging.in_staged_call``), so it never reaches :func:`decided`. Calls that need no staging pass neither.
@@ -104,15 +107,9 @@ def count(op: str, mode: str, nbytes: int) -> None:
     route and ``mode``, with ``nbytes`` and the seconds since the decision; log it if it is its call site's first."""
     end = perf_counter()
     route, device, note, start = _decision.last
-    key = (op, route, mode)
     _lock.acquire()  # not `with`: this is on every staged call's path, and the statement costs more
     try:
-        entry = _table.get(key)
-        if entry is None:
-            entry = _table[key] = [0, 0, 0.0]
-        entry[0] += 1
-        entry[1] += nbytes
-        entry[2] += end - start
+        _add((op, route, mode), nbytes, end - start)
         if note is not None:
             if (note[0], op) in _sites:  # logged by another thread since the decision
                 note = None
@@ -126,6 +123,27 @@ def count(op: str, mode: str, nbytes: int) -> None:
             "offload_shim: first staged call at %s: %s, %s, route %s (%s), mode %s, through %s",
             site, op, format_bytes(nbytes), route, why, mode, device,
         )
+
+
+def count_replayed(op: str, route: str, nbytes: int, start: float) -> None:
+    """A small call replayed without a decision of its own (``_replay.replayed``: its key's first calls were
+    decided, counted and logged) returned or raised: count it under ``op``, ``route`` and mode :data:`REPLAYED`,
+    with ``nbytes`` and the seconds since ``start`` (a ``perf_counter()`` reading)."""
+    end = perf_counter()
+    _lock.acquire()
+    try:
+        _add((op, route, REPLAYED), nbytes, end - start)
+    finally:
+        _lock.release()
+
+
+def _add(key: tuple[str, str, str], nbytes: int, seconds: float) -> None:  # under _lock
+    entry = _table.get(key)
+    if entry is None:
+        entry = _table[key] = [0, 0, 0.0]
+    entry[0] += 1
+    entry[1] += nbytes
+    entry[2] += seconds
 
 
 def host_bytes(values, source: str = "cpu") -> int:

@@ -124,6 +124,9 @@ def _in_place_wrapper(collective: str):
             group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
             if group is None or _devices.host_calls_served(group):
                 return wrapped(*args, **kwargs)
+            # A small call captured before, replayed without deciding again while what decided it holds (_replay).
+            if _replay._captures and _replay.replayed(tensor, group, name, collective, args, kwargs, at):
+                return None
             nbytes = tensor.numel() * tensor.element_size()  # the same on every rank (Tensor.nbytes fails if sparse)
             device = _devices.staging_device_for(tensor, group, name, nbytes)
             if device is None:
@@ -155,8 +158,7 @@ def _in_place_wrapper(collective: str):
                         return wrapped(*call_args, **call_kwargs)
 
                     if device.type == "cuda":  # replayed from a CUDA graph where the group and call allow it
-                        other_args, other_kwargs = parameters.replace(args, kwargs, "tensor", None)
-                        call = (collective, other_args, tuple(sorted(other_kwargs.items())))
+                        call = _replay.call_key(collective, args, kwargs, at)
                         if _replay.stage_small(tensor, device, group, call, run, reads=reads, writes=writes):
                             mode = _counters.REPLAYED
                             return None

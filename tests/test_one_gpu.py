@@ -260,6 +260,10 @@ def check_small_calls_replayed():
             assert same_bits(tensor, expected.cpu()), (label, call, tensor, expected)
         assert tensor.data_ptr() == storage and tensor._version == version + 5, label  # only the five copy_() calls
         assert _modes(op) == {"small": 1, "replayed": 4}, (label, _modes(op))
+    # A captured key replays before any decision while what decided it holds, and is decided again where it does
+    # not: inside a coalescing manager (refused, as any CPU tensor on this group), with INFO logging (a new call
+    # site's first call is logged), under changed settings (decided once, then replayed again).
+    _check_replay_decided_again(device)
     # Graphs off, a non-contiguous tensor: the slot path.
     offload_shim.reset_staging_counters()
     with configured(graphs=False):
@@ -296,6 +300,46 @@ def check_small_calls_replayed():
     dist.all_reduce(flag, group=slow)
     assert flag.item() == 4.0
     dist.destroy_process_group(slow)
+
+
+def _check_replay_decided_again(device):
+    import logging
+
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    value = torch.tensor([1.5, -2.0])
+    for _ in range(3):  # captured
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    offload_shim.reset_staging_counters()
+    try:
+        with pytest.raises(offload_shim.StagingError, match="inside torch.distributed's _coalescing_manager"):
+            with _coalescing_manager():
+                dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    finally:  # an exception inside the block leaves torch's coalescing state behind
+        dist.distributed_c10d._world.pg_coalesce_state.pop(dist.group.WORLD, None)
+    assert value.tolist() == [1.5, -2.0] and _modes("all_reduce") == {}, _modes("all_reduce")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("offload_shim")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)  # a call site of its own
+    finally:
+        logger.setLevel(level)
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if "first staged call" in r.getMessage()], [r.getMessage() for r in records]
+    assert _modes("all_reduce") == {"replayed": 1}, _modes("all_reduce")
+    with configured(chunk_bytes="8MiB"):
+        for _ in range(2):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    assert _modes("all_reduce") == {"replayed": 3}, _modes("all_reduce")
+    keyword = torch.tensor([4.0, 5.0])
+    for _ in range(3):  # the tensor as a keyword: a key of its own, captured and replayed alike
+        dist.all_reduce(tensor=keyword, op=dist.ReduceOp.SUM)
+    assert keyword.tolist() == [4.0, 5.0] and _modes("all_reduce") == {"replayed": 5, "small": 1}, _modes("all_reduce")
 
 
 def test_small_calls_replayed(nccl_rank):
