@@ -210,6 +210,7 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
             return lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)
 
         positions = [(param, parameters.position(param)) for param in roles]
+        group_at = parameters.position("group")
         lazy = _devices.refused_for_host(name)  # accelerator tensors go to torch first (see _devices)
 
         def wrapper(wrapped, instance, args, kwargs):
@@ -237,7 +238,7 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
                     return wrapped(*args, **kwargs)
             elif kind is not None and not _config.settings().host_staging:
                 kind = None  # host staging off: accelerator tensors go to torch undecided
-            group = _devices.resolve_c10d_group(parameters.get(args, kwargs, "group"))
+            group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
             # Accelerator tensors through the host, where the group runs this collective on them only so.
             through_host = (
                 kind is not None and group is not None and not _devices.accelerator_call_served(group, kind, name)
