@@ -173,7 +173,7 @@ def main() -> None:
 
     # CPU time of each Python step of the replayed call.
     stream = torch.cuda.current_stream(device)
-    key = (0, group, caller.dtype, caller.shape, _replay.call_key("all_reduce", (caller,), {"op": op}))
+    key = (0, group, torch.Tensor, caller.dtype, caller.shape, _replay.call_key(torch_all_reduce, (caller,), {"op": op}))
     table = {key: 1}
     graph = graphs["memcpy"]
     steps = {
@@ -185,7 +185,8 @@ def main() -> None:
         "stream.query() (idle)": stream.query,
         "_CudaStreamBase.query(stream) (idle)": lambda: query(stream),
         "memmove 4 bytes with data_ptr()": lambda: ctypes.memmove(in_address, caller.data_ptr(), nb),
-        "key tuple and dict lookup": lambda: table.get((0, group, caller.dtype, caller.shape, _replay.call_key("all_reduce", (caller,), {"op": op}))),
+        "key tuple and dict lookup": lambda: table.get(
+            (0, group, type(caller), caller.dtype, caller.shape, _replay.call_key(torch_all_reduce, (caller,), {"op": op}))),
         "_counters.count_replayed": lambda: _counters.count_replayed("torch.distributed.all_reduce", _counters.STAGED, 4, 0.0),
     }
     costs = {name: cpu_cost(fn) for name, fn in steps.items()}
@@ -194,12 +195,12 @@ def main() -> None:
         costs[name + " (launch only)"] = cpu_cost(replay, repeats=2000)
         torch.cuda.synchronize()
     # The shim's call with the replay itself replaced by a no-op: the wrapper, fast path and count.
-    original_run = _replay._run
-    _replay._run = lambda capture, tensor: None
+    original_replay = _replay.replay
+    _replay.replay = lambda capture, tensor, address=None: None
     try:
         costs["shim call, replay stubbed (wrapper, lookup, checks, count)"] = cpu_cost(shim)
     finally:
-        _replay._run = original_run
+        _replay.replay = original_replay
     say("cpu_us", costs)
 
     # Where the shim's call spends its time.

@@ -19,7 +19,7 @@ __version__ = "0.2.0"
 
 import logging
 
-from offload_shim import _counters, _patch_compiled, _patching, _warning_location
+from offload_shim import _counters, _patch_compiled, _patching, _replay, _warning_location
 from offload_shim._communicators import register_communicator
 from offload_shim._config import ConfigError, Settings, configure, settings
 from offload_shim._counters import reset_staging_counters, staging_counters
@@ -74,6 +74,7 @@ def install() -> None:
         logging.getLogger("offload_shim").info("offload_shim: torch.distributed is unavailable; nothing installed")
         return
     _patching.install(_targets())
+    _replay.prune()  # captures of groups destroyed while the shim was not installed
     _patch_compiled.install()
     _warning_location.install()
     _counters.register_summary_at_exit()

@@ -125,8 +125,9 @@ def _in_place_wrapper(collective: str):
             if group is None or _devices.host_calls_served(group):
                 return wrapped(*args, **kwargs)
             # A small call captured before, replayed without deciding again while what decided it holds (_replay).
-            if _replay._captures and _replay.replayed(tensor, group, name, collective, args, kwargs, at):
+            if _replay._captures and _replay.replayed(tensor, group, name, wrapped, args, kwargs, at):
                 return None
+            settings = _config.settings()  # read before the decision: what a capture's replay is decided under
             nbytes = tensor.numel() * tensor.element_size()  # the same on every rank (Tensor.nbytes fails if sparse)
             device = _devices.staging_device_for(tensor, group, name, nbytes)
             if device is None:
@@ -138,7 +139,7 @@ def _in_place_wrapper(collective: str):
             # (a pipeline waits for its ranks' agreement before its first chunk), as torch's own call.
             if async_op:
                 mode = _counters.WHOLE
-            elif nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * _config.settings().chunk_bytes:
+            elif nbytes >= _pipeline.MIN_PIPELINED_CHUNKS * settings.chunk_bytes:
                 mode = _counters.PIPELINED
             elif nbytes <= _staging.SMALL_CALL_BYTES:
                 mode = _counters.SMALL
@@ -158,9 +159,11 @@ def _in_place_wrapper(collective: str):
                         return wrapped(*call_args, **call_kwargs)
 
                     if device.type == "cuda":  # replayed from a CUDA graph where the group and call allow it
-                        call = _replay.call_key(collective, args, kwargs, at)
-                        if _replay.stage_small(tensor, device, group, call, run, reads=reads, writes=writes):
+                        call = _replay.call_key(wrapped, args, kwargs, at)
+                        capture = _replay.capture_for(tensor, device, group, call, run, reads, writes, settings)
+                        if capture is not None:
                             mode = _counters.REPLAYED
+                            _replay.replay(capture, tensor)
                             return None
                     return _staging.stage_small_in_place(tensor, device, run, reads=reads, writes=writes)
                 return _staged_whole(wrapped, parameters, args, kwargs, {"tensor": (reads, writes)}, device, "cpu")
@@ -304,15 +307,17 @@ def _tensors(values):
 
 
 def _releasing_buffers(original):
-    """``destroy_process_group(group)`` first drops the group's captured small calls (``_replay``); of every group,
-    it also frees the staging buffers (``_pipeline.release_buffers``): they belong to no group, and no staged call
-    can follow until a group is made again."""
+    """``destroy_process_group(group)`` first drops the group's captured small calls (``_replay``); of every group
+    (``None``, or the default group, as torch reads it), it also frees the staging buffers
+    (``_pipeline.release_buffers``): they belong to no group, and no staged call can follow until a group is made
+    again."""
 
     def wrapper(wrapped, instance, args, kwargs):
         group = args[0] if args else kwargs.get("group")
-        _replay.forget(group)  # while the group's communicator still exists
+        every = group is None or group is torch.distributed.group.WORLD  # torch destroys every group for both
+        _replay.forget(None if every else group)  # while the group's communicator still exists
         result = wrapped(*args, **kwargs)
-        if group is None:
+        if every:
             _pipeline.release_buffers()
         return result
 

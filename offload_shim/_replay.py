@@ -52,11 +52,11 @@ _SEEN_LIMIT = 4096  # keys counted before the count starts over
 
 class _Capture:
     __slots__ = ("group", "index", "settings", "reads", "writes", "graph", "host_in", "host_out", "slot", "nbytes",
-                 "in_address", "out_address", "done", "pending")
+                 "in_address", "out_address", "done", "pending", "stream")
 
-    def __init__(self, group, device, graph, host_in, host_out, slot, reads: bool, writes: bool):
+    def __init__(self, group, device, graph, host_in, host_out, slot, reads: bool, writes: bool, settings):
         self.group, self.index = group, _index(device)
-        self.settings = _config.settings()  # the settings under which the decision to replay was last made
+        self.settings = settings  # those under which the decision to replay was last made
         self.reads, self.writes = reads, writes
         self.graph = graph
         self.host_in, self.host_out, self.slot = host_in, host_out, slot
@@ -64,14 +64,16 @@ class _Capture:
         self.in_address, self.out_address = host_in.data_ptr(), host_out.data_ptr()
         self.done = torch.cuda.Event()
         self.pending = False  # ``done`` marks a replay that nobody waited for: it may still read host_in
+        self.stream = None  # where it was last replayed
 
 
-# Captures by key: (thread, process group, dtype, shape, call_key(...)); None where a key cannot be captured. A key
-# names no device: a capture holds the device it was decided for, and replays only while the decision stands.
-_lock = threading.Lock()  # around changes to the two tables; lookups are single dict reads
+# Captures by key (:func:`_key`); None where a key cannot be captured. A key names no device: a capture holds the
+# device it was decided for, and replays only while the decision stands.
+_lock = threading.Lock()  # around changes to the tables; lookups are single dict reads
 _captures: dict[tuple, _Capture | None] = globals().get("_captures", {})
 _seen: dict[tuple, int] = globals().get("_seen", {})  # key -> calls so far, until captured
 _nccl_groups: dict[int, tuple[object, bool]] = globals().get("_nccl_groups", {})  # id(group) -> (group, NCCL?)
+_retired: list = globals().get("_retired", [])  # (event, capture): dropped, kept until their last replay is done
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, raw stream) -> its Stream object
 _world = dist.distributed_c10d._world
 # Asked on every replayed call: torch's own functions under its public ones (which add a Python frame), where
@@ -82,36 +84,45 @@ _query = getattr(getattr(torch._C, "_CudaStreamBase", None), "query", None) or t
 _log = logging.getLogger("offload_shim")
 
 
-def call_key(collective: str, args: tuple, kwargs: dict, at: int = 0) -> tuple:
-    """What identifies a call of ``collective`` but its tensor (positional argument ``at`` or keyword ``tensor``):
-    its other arguments as given. The same call spelled otherwise (a keyword given by position) is another key."""
+def call_key(function, args: tuple, kwargs: dict, at: int = 0) -> tuple:
+    """What identifies a call of ``function`` (the collective torch runs) but its tensor (positional argument
+    ``at`` or keyword ``tensor``): its other arguments as given, and their types (``op=0`` equals ``ReduceOp.SUM``,
+    but torch refuses it). The same call spelled otherwise (a keyword given by position) is another key."""
     if len(args) > at:
-        return collective, args[:at] + args[at + 1 :], tuple(kwargs.items())
-    return collective, args, tuple(item for item in kwargs.items() if item[0] != "tensor")
+        rest = args[:at] + args[at + 1 :]
+        return function, rest, tuple(kwargs.items()), rest and tuple(map(type, rest)), tuple(map(type, kwargs.values()))
+    items = tuple(item for item in kwargs.items() if item[0] != "tensor")
+    return function, args, items, args and tuple(map(type, args)), tuple(type(value) for _, value in items)
 
 
-def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, op: str, collective: str, args: tuple, kwargs: dict,
+def _key(tensor: torch.Tensor, group, call: tuple) -> tuple:
+    return threading.get_ident(), group, type(tensor), tensor.dtype, tensor.shape, call
+
+
+def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, op: str, function, args: tuple, kwargs: dict,
              at: int = 0) -> bool:
-    """Replay the capture of this call of ``collective`` (``op``, its name for the counters) with host ``tensor``
+    """Replay the capture of this call of ``function`` (``op``, its name for the counters) with host ``tensor``
     on ``group`` (``args`` and ``kwargs`` as given, the tensor at position ``at`` or keyword ``tensor``), where one
     exists for this thread and every input of the decision that made it still holds: the settings, a dense
-    contiguous tensor without a lazy conjugation, the current device, no staged call around it, no coalescing manager on the group, no stream
-    capture, no INFO logging of first calls. Returns ``False``, having done nothing, otherwise: the caller then
-    decides as for any call. ``True`` once ``tensor`` holds the result (for a call that only reads: once its bytes
-    are copied). The first check of every call on a group that does not serve the host: kept to a dict lookup and
-    a few reads.
+    contiguous tensor with memory and no lazy conjugation or negation, the current device, no staged call around
+    it, no coalescing manager on the group, no stream capture, no INFO logging of first calls. Returns ``False``,
+    having done nothing, otherwise: the caller then decides as for any call. ``True`` once ``tensor`` holds the
+    result (for a call that only reads: once its bytes are copied). The first check of every call on a group that
+    does not serve the host: kept to a dict lookup and a few reads.
 
     Raises:
-        torch.distributed.DistBackendError: the replay did not finish within the group's timeout.
+        torch.distributed.DistBackendError: the replay, or the one before it that nobody waited for, did not finish
+            within the group's timeout; the caller's tensor is unchanged.
     """
-    if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_conj():
+    if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_conj() or tensor.is_neg():
         return False
     if len(args) > at:  # call_key(), inline
-        call = (collective, args[:at] + args[at + 1 :], tuple(kwargs.items()))
+        rest = args[:at] + args[at + 1 :]
+        call = function, rest, tuple(kwargs.items()), rest and tuple(map(type, rest)), tuple(map(type, kwargs.values()))
     else:
-        call = call_key(collective, args, kwargs, at)
+        call = call_key(function, args, kwargs, at)
     try:
-        capture = _captures.get((threading.get_ident(), group, tensor.dtype, tensor.shape, call))
+        capture = _captures.get((threading.get_ident(), group, type(tensor), tensor.dtype, tensor.shape, call))
     except TypeError:  # an argument that cannot be a key
         return False
     if (
@@ -125,9 +136,12 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, op: str, collective
         or _log.isEnabledFor(logging.INFO)
     ):
         return False
+    address = tensor.data_ptr()
+    if not address:  # no memory (a zero tensor of autograd's): the decision says what torch does
+        return False
     start = perf_counter()
     try:
-        _run(capture, tensor)
+        replay(capture, tensor, address)
     finally:
         _counters.count_replayed(op, _counters.STAGED, capture.nbytes, start)
     return True
@@ -143,58 +157,76 @@ def _replayable(group: dist.ProcessGroup, device: torch.device) -> bool:
     return known[1] and not torch.cuda.is_current_stream_capturing()
 
 
-def stage_small(tensor: torch.Tensor, device: torch.device, group: dist.ProcessGroup, call: tuple, run,
-                *, reads: bool, writes: bool) -> bool:
-    """Run a small synchronous in-place collective on host ``tensor``, decided to be staged through ``device``, by
-    replaying its captured graph, capturing it first at the key's second call. ``call``: :func:`call_key` of the
-    call; ``run(staged)`` runs it on a device tensor of ``tensor``'s shape and dtype, as for
-    ``_staging.stage_small_in_place``. Returns ``False``, having done nothing, where the call is not replayed (the
-    caller then takes the slot path); ``True`` once ``tensor`` holds the result (for a call that only reads: once
-    its bytes are copied). Later calls of the key replay through :func:`replayed` before any decision.
+def _premul_sum(call: tuple) -> bool:
+    """Whether ``call`` (:func:`call_key`) reduces with PREMUL_SUM: its factor is not part of the op's equality,
+    and a capture would keep the first call's factor."""
+    values = (*call[1], *(value for _, value in call[2]))
+    return any(isinstance(value, dist.ReduceOp) and value == dist.ReduceOp.PREMUL_SUM for value in values)
 
-    Raises:
-        torch.distributed.DistBackendError: the replay did not finish within the group's timeout.
-    """
-    if tensor.nbytes > MAX_BYTES or not tensor.is_contiguous() or tensor.is_conj() or not _replayable(group, device):
-        return False
-    key = (threading.get_ident(), group, tensor.dtype, tensor.shape, call)
+
+def capture_for(tensor: torch.Tensor, device: torch.device, group: dist.ProcessGroup, call: tuple, run,
+                reads: bool, writes: bool, settings) -> _Capture | None:
+    """The capture to replay for a small synchronous in-place collective on host ``tensor``, decided under
+    ``settings`` to be staged through ``device``; made at the key's second call; ``None`` where the call is not
+    replayed (the caller then takes the slot path). ``call``: :func:`call_key` of the call; ``run(staged)`` runs it
+    on a device tensor of ``tensor``'s shape and dtype, as for ``_staging.stage_small_in_place``; ``reads`` and
+    ``writes``: whether the collective reads and writes this rank's tensor. Later calls of the key replay through
+    :func:`replayed` before any decision."""
+    if (
+        tensor.nbytes > MAX_BYTES
+        or not tensor.is_contiguous()
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or not tensor.data_ptr()  # no elements, or no memory
+        or not _replayable(group, device)
+    ):
+        return None
+    key = _key(tensor, group, call)
     try:
         capture = _captures.get(key, False)
-    except TypeError:  # an argument that cannot be a key (a PREMUL_SUM reduce op)
-        return False
+    except TypeError:  # an argument that cannot be a key
+        return None
     if capture is False:
         with _lock:
             seen = _seen.get(key, 0) + 1
+            if len(_captures) >= MAX_CAPTURES:
+                _forget_threads_gone()
             if seen < _CAPTURE_AT or len(_captures) >= MAX_CAPTURES:
                 if len(_seen) >= _SEEN_LIMIT:
                     _seen.clear()
                 _seen[key] = seen
-                return False
+                return None
             _seen.pop(key, None)
-        capture = _capture(group, tensor, device, run, reads, writes)
+        capture = None if _premul_sum(call) else _capture(group, tensor, device, run, reads, writes, settings)
         with _lock:
             _captures[key] = capture
     if capture is None or capture.index != _index(device):  # (a group used from two devices: the slot path)
-        return False
-    capture.settings = _config.settings()  # decided again under these: replayed() may skip the decision
-    _run(capture, tensor)
-    return True
+        return None
+    capture.settings = settings  # decided again under these: replayed() may skip the decision
+    return capture
 
 
-def _run(capture: _Capture, tensor: torch.Tensor) -> None:
-    """Copy ``tensor``'s bytes into the capture's pinned input, replay its graph on the current stream (after the
-    work queued there, as the slot path's copies), and, for a call that writes, wait for it and copy the pinned
-    output into ``tensor``."""
+def replay(capture: _Capture, tensor: torch.Tensor, address: int | None = None) -> None:
+    """Copy ``tensor``'s bytes (at ``address``, its ``data_ptr()``) into the capture's pinned input, replay its
+    graph on the current stream (after the work queued there, as the slot path's copies), and, for a call that
+    writes, wait for it and copy the pinned output into ``tensor``.
+
+    Raises:
+        torch.distributed.DistBackendError: the replay, or the one before it that nobody waited for, did not finish
+            within the group's timeout; ``tensor`` is unchanged.
+    """
     if _staging._pending:
         _staging.finish_writes_to((tensor,))
-    if capture.pending:
-        capture.done.synchronize()
+    if capture.pending:  # a replay that only read: it may still be reading the pinned input
+        if not capture.done.query():
+            _wait(capture.done, capture.group)
         capture.pending = False
-    address = tensor.data_ptr()
+    if address is None:
+        address = tensor.data_ptr()
     if capture.reads:
         ctypes.memmove(capture.in_address, address, capture.nbytes)
     capture.graph.replay()
-    stream = _current_stream(capture.index)
+    stream = capture.stream = _current_stream(capture.index)
     if not capture.writes:
         capture.done.record(stream)
         capture.pending = True
@@ -225,7 +257,8 @@ def _current_stream(index: int) -> torch.cuda.Stream:
     return stream
 
 
-def _capture(group, tensor: torch.Tensor, device: torch.device, run, reads: bool, writes: bool) -> _Capture | None:
+def _capture(group, tensor: torch.Tensor, device: torch.device, run, reads: bool, writes: bool,
+             settings) -> _Capture | None:
     """The graph of the staged call (H2D from a pinned buffer, ``run``, D2H into a pinned buffer), captured on a
     side stream in this thread's capture mode (other threads' work is not disturbed); ``None`` if it cannot be."""
     with torch.inference_mode(False), torch.no_grad():
@@ -249,15 +282,15 @@ def _capture(group, tensor: torch.Tensor, device: torch.device, run, reads: bool
             return None
         finally:
             current.wait_stream(side)
-    return _Capture(group, device, graph, host_in, host_out, slot, reads, writes) if result is None else None
+    return _Capture(group, device, graph, host_in, host_out, slot, reads, writes, settings) if result is None else None
 
 
-def _wait(stream, group) -> None:
-    """Wait for ``stream``: by polling (a replay of a few bytes finishes in microseconds), sleeping between polls
-    after the first millisecond, and giving up after the group's timeout."""
+def _wait(work, group) -> None:
+    """Wait for ``work`` (a stream or an event): by polling (a replay of a few bytes finishes in microseconds),
+    sleeping between polls after the first millisecond, and giving up after the group's timeout."""
     start = time.monotonic()
     timeout = None
-    while not _query(stream):
+    while not work.query():
         waited = time.monotonic() - start
         if waited > 1e-3:
             if timeout is None:
@@ -280,19 +313,39 @@ def _timeout(group) -> float:
 
 
 def forget(group: dist.ProcessGroup | None = None) -> None:
-    """Drop the captures of ``group`` (of every group for ``None``) once their last replays have finished: called
-    before the group is destroyed, while its communicator still exists."""
+    """Drop the captures of ``group`` (of every group for ``None``): called before the group is destroyed, while
+    its communicator still exists. Never waits: a dropped capture's buffers and graph are kept until its last
+    replay has finished (a replay on a stopped peer ends when torch aborts the communicator)."""
     with _lock:
         keys = [key for key in _captures if group is None or key[1] is group]
-        dropped = [_captures.pop(key) for key in keys]
+        _retire([_captures.pop(key) for key in keys])
         for key in [key for key in _seen if group is None or key[1] is group]:
             del _seen[key]
         if group is None:
             _nccl_groups.clear()
         else:
             _nccl_groups.pop(id(group), None)
-    for index in {capture.index for capture in dropped if capture is not None}:
-        torch.cuda.synchronize(index)
+
+
+def prune() -> None:
+    """Drop the captures of groups torch no longer has (destroyed while the shim was not installed)."""
+    groups = getattr(_world, "pg_map", None)
+    if groups is None:
+        return
+    with _lock:
+        _retire([_captures.pop(key) for key in [key for key in _captures if key[1] not in groups]])
+
+
+def _forget_threads_gone() -> None:  # under _lock
+    alive = {thread.ident for thread in threading.enumerate()}
+    _retire([_captures.pop(key) for key in [key for key in _captures if key[0] not in alive]])
+
+
+def _retire(dropped) -> None:  # under _lock
+    for capture in dropped:
+        if capture is not None and capture.stream is not None:
+            _retired.append((capture.stream.record_event(), capture))
+    _retired[:] = [(event, capture) for event, capture in _retired if not event.query()]
 
 
 def captures() -> int:

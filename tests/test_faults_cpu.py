@@ -426,6 +426,34 @@ def check_buffers_outlive_no_group(rounds):
     return buffers, min(growth)
 
 
+DESTROY_DEFAULT_GROUP = """
+import sys
+import torch, torch.distributed as dist
+import offload_shim
+from offload_shim import _pipeline
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+offload_shim.install()
+offload_shim.configure(staging_device="cpu", always_stage=True, chunk_bytes=1 << 20)
+dist.all_reduce(torch.ones(3 << 18))  # three chunks: pipelined, through a pool
+before = len(_pipeline.pooled_buffers())
+dist.destroy_process_group(dist.group.WORLD)  # torch destroys every group, as for None
+print(before, len(_pipeline.pooled_buffers()))
+"""
+
+
+def test_destroying_the_default_group_frees_the_buffers(tmp_path):
+    """``destroy_process_group(group.WORLD)`` is torch's destroy of every group, as ``destroy_process_group()``:
+    the staging buffers go with it (and the captured small calls of every group, which need an accelerator)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", DESTROY_DEFAULT_GROUP, str(tmp_path / "store")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, after = map(int, done.stdout.split())
+    assert before > 0 and after == 0, done.stdout
+
+
 def test_buffers_outlive_no_group(fault_ranks):
     rounds, chunk = 20, 4 << 20
     for buffers, growth in fault_ranks.run(check_buffers_outlive_no_group, rounds):

@@ -20,6 +20,7 @@ Run: ``python -m pytest -o addopts="" -m gpu tests/test_one_gpu.py`` (skipped wi
 from __future__ import annotations
 
 import datetime
+import time
 
 import pytest
 import torch
@@ -233,8 +234,10 @@ def check_small_calls_replayed():
     """On a one-rank NCCL group: small synchronous calls are staged through the slot once, then captured and
     replayed; every call's result equals torch's call on a GPU copy, bit for bit, with fresh values each call, in
     the caller's own tensor (same storage, version counter untouched); a call that only reads leaves the tensor as
-    it was; graphs off, a non-contiguous tensor and a destroyed group take the slot path; a replay that outlasts
-    the group's timeout raises DistBackendError and leaves the tensor unchanged."""
+    it was; a captured call is decided again where what decided it may have changed, and calls a key cannot tell
+    apart are not replayed; graphs off, a non-contiguous tensor and a destroyed group take the slot path; a replay
+    that outlasts the group's timeout raises DistBackendError and leaves the tensor unchanged, as does the call
+    after a replay that only read; destroying a group does not wait for its replays."""
     from offload_shim import _replay
 
     offload_shim.install()
@@ -299,6 +302,25 @@ def check_small_calls_replayed():
     torch.accelerator.synchronize()
     dist.all_reduce(flag, group=slow)
     assert flag.item() == 4.0
+    # A replay that only reads returns at once; the next call of its key waits for it at most the timeout too.
+    source = torch.tensor([5.0])
+    for _ in range(3):
+        dist.broadcast(source, src=0, group=slow)
+    torch.cuda._sleep(int(8e9))
+    dist.broadcast(source, src=0, group=slow)  # queued behind the sleep, not waited for
+    with pytest.raises(dist.DistBackendError, match="did not finish within the group's timeout"):
+        dist.broadcast(source, src=0, group=slow)
+    torch.accelerator.synchronize()
+    dist.broadcast(source, src=0, group=slow)
+    assert source.item() == 5.0
+    # Dropping a group's captures (as destroy_process_group does first) while a replay is still queued returns
+    # without waiting for it; the capture's buffers are kept until the replay is done.
+    torch.cuda._sleep(int(2e9))
+    dist.broadcast(source, src=0, group=slow)
+    start = time.monotonic()
+    _replay.forget(slow)
+    assert time.monotonic() - start < 0.5 and _replay._retired, time.monotonic() - start
+    torch.accelerator.synchronize()
     dist.destroy_process_group(slow)
 
 
@@ -340,6 +362,21 @@ def _check_replay_decided_again(device):
     for _ in range(3):  # the tensor as a keyword: a key of its own, captured and replayed alike
         dist.all_reduce(tensor=keyword, op=dist.ReduceOp.SUM)
     assert keyword.tolist() == [4.0, 5.0] and _modes("all_reduce") == {"replayed": 5, "small": 1}, _modes("all_reduce")
+    # What a key cannot tell apart is never replayed: PREMUL_SUM ops of other factors compare equal (each call takes
+    # the slot path, with its own factor); a lazily negated view has the bytes of its base (slot path: the values);
+    # an argument equal to the captured one but of another type is refused by torch as without a capture.
+    offload_shim.reset_staging_counters()
+    for factor in (2.0, 2.0, 2.0, 3.0):
+        scaled = torch.tensor([1.5, -2.0])
+        dist.all_reduce(scaled, op=dist._make_nccl_premul_sum(factor))
+        assert scaled.tolist() == [1.5 * factor, -2.0 * factor], (factor, scaled)
+    negated = torch._neg_view(torch.tensor([1.5, -2.0]))
+    for _ in range(3):
+        dist.all_reduce(negated, op=dist.ReduceOp.MAX)
+        assert negated.tolist() == [-1.5, 2.0] and negated.is_neg(), negated
+    assert _modes("all_reduce") == {"small": 7}, _modes("all_reduce")
+    with pytest.raises(TypeError):
+        dist.all_reduce(value, op=0)  # equal to ReduceOp.SUM
 
 
 def test_small_calls_replayed(nccl_rank):
