@@ -200,7 +200,7 @@ def small_calls(bench) -> None:
             "hand_staging": (False, hand),
             "gloo": (False, lambda: call(tensor, group=gloo, **kwargs)),
             "gpu_resident": (False, gpu_resident),
-        }, rounds=5 if bench.quick else 15, calls=calls)
+        }, rounds=3 if bench.smoke else 15, calls=calls)  # 15 rounds even when quick: a few seconds in all
         modes = sorted({key.mode for key in offload_shim.staging_counters() if key.op.endswith("." + op)})
         bench.record(kind="small", op=op, case=name, calls_per_round=calls, shim_modes=modes,
                      **{f"{k}_seconds": v for k, v in times.items()})
