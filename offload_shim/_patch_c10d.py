@@ -239,11 +239,9 @@ def staged_arguments_wrapper(collective: str, roles: Mapping[str, str], refusals
                         return result
                 elif not _config.settings().host_staging:
                     return wrapped(*args, **kwargs)
-            group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
-            if host and kind is None and (group is None or _devices.host_calls_served(group)):
-                return wrapped(*args, **kwargs)  # the served path's common case, asked first
-            if host and kind is not None and not _config.settings().host_staging:
+            elif kind is not None and not _config.settings().host_staging:
                 kind = None  # host staging off: accelerator tensors go to torch undecided
+            group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
             # Accelerator tensors through the host, where the group runs this collective on them only so.
             through_host = (
                 kind is not None and group is not None and not _devices.accelerator_call_served(group, kind, name)
