@@ -12,13 +12,14 @@ launched through torch. Results are the collective's bytes, as on the slot path;
 broadcast's source, a reduce's other ranks) returns once the caller's bytes are copied, without waiting for the
 collective.
 
-A key is the thread, the process group, the tensor's dtype and shape, and the call's other arguments as given. A
-call whose key was captured replays before the shim decides anything (:func:`replayed`, the wrapper's first step
-after it finds the group does not serve the host): the decision is taken again only where something it depended on
-may have changed (the settings, the current device, a staged call around it, a coalescing manager, a stream
-capture, INFO logging of first calls), and then the call replays from the same capture if the decision stands.
-Measured on one H200 (results/gpu/2026-12-01-one-h200-small-call-parts/): a 0-dim all_reduce replayed after the
-whole decision took 29.9 us, against 36.9 us staged by hand; replayed after the lookup, 16.7 us against 36.6.
+A key is the thread, the process group, the tensor's type, dtype and shape, and the call's other arguments as given,
+with their types. A call whose key was captured replays before the shim decides anything (:func:`replayed`, the
+wrapper's first step after it finds the group does not serve the host): the decision is taken again only where
+something it depended on may have changed (the settings, the current device, a staged call around it, a coalescing
+manager, a stream capture, INFO logging of first calls), and then the call replays from the same capture if the
+decision stands. Measured on one H200 (results/gpu/2026-12-01-one-h200-small-call-parts/): a 0-dim all_reduce
+replayed after the whole decision took 29.9 us, against 36.9 us staged by hand; replayed after the lookup, 16.7 us
+against 36.6.
 
 Every rank decides alike (keys and counts come from the calls, the same on every rank), and in any case NCCL runs a
 replayed collective like a launched one: every rank's calls on the group keep their order. A capture belongs to
@@ -27,7 +28,8 @@ runs, torch's watchdog does not watch it: the wait for it gives up after the gro
 ``torch.distributed.DistBackendError``, as torch's watchdog would.
 
 Off with ``OFFLOAD_SHIM_GRAPHS=0``; not used under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (whose checks run per call),
-while the current stream is being captured, or where a capture fails (that key then takes the slot path).
+while the current stream is being captured, for PREMUL_SUM (whose factor a key cannot see), for lazily conjugated or
+negated views (whose bytes are not their values), or where a capture fails (that key then takes the slot path).
 """
 
 from __future__ import annotations
