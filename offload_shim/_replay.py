@@ -123,7 +123,7 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, op: str, function, 
         call = function, rest, tuple(kwargs.items()), rest and tuple(map(type, rest)), tuple(map(type, kwargs.values()))
     else:
         call = call_key(function, args, kwargs, at)
-    try:
+    try:  # _key(), inline
         capture = _captures.get((threading.get_ident(), group, type(tensor), tensor.dtype, tensor.shape, call))
     except TypeError:  # an argument that cannot be a key
         return False
