@@ -62,6 +62,13 @@ def first_call_lines():
 # ---------------------------------------------------------------- checks run inside the ranks
 
 
+def register_local_double():
+    """``local_double`` as a communicator working on the CPU (registering it again replaces its settings)."""
+    offload_shim.register_communicator(
+        THIS_MODULE, "local_double", device=lambda _: torch.device("cpu"), reads="tensor", writes="tensor"
+    )
+
+
 def check_counters():
     """One or more calls of every family, staged; the counters hold exactly their calls and bytes, per collective,
     route and mode; the served path counts nothing; reset returns what it cleared."""
@@ -71,9 +78,7 @@ def check_counters():
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))  # made before anything is staged: its set-up is not counted
     solo = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pair", "solo"))["solo"]  # one rank: no collective
-    offload_shim.register_communicator(
-        THIS_MODULE, "local_double", device=lambda _: torch.device("cpu"), reads="tensor", writes="tensor"
-    )
+    register_local_double()
     offload_shim.reset_staging_counters()
     with forced():
         for _ in range(2):
@@ -151,6 +156,7 @@ def check_first_staged_call_of_each_line_is_logged():
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (2,))
+    register_local_double()  # whichever check these ranks ran first
     where = f"{check_first_staged_call_of_each_line_is_logged.__code__.co_filename}:"
     group = "group '0' (default_pg) with backend gloo serves cpu, cuda"
     with forced():
