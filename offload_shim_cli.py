@@ -356,7 +356,7 @@ def _check_ranks(backend: str | None) -> list:
     import torch.distributed as dist
 
     import offload_shim
-    from offload_shim import _devices
+    from offload_shim import _devices, _plan, _table
 
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -377,7 +377,9 @@ def _check_ranks(backend: str | None) -> list:
         for nbytes in sorted({4, offload_shim.settings().route_min_bytes or 4}):
             probe = torch.zeros(nbytes // 4)
             try:
-                through = _devices.staging_device_for(probe, group, "all_reduce", route_bytes=nbytes)
+                call = _plan.Call(_table.C10D["all_reduce"], _plan.C10D, group, {"tensor": probe}, op=dist.ReduceOp.SUM)
+                plan = _plan.decide(call)  # what a CPU all_reduce of this size would do, decided as for any call
+                through = None if plan is None else plan.device
                 lines.append(f"a {nbytes}-byte CPU all_reduce: " + (f"staged through {through}" if through else "left to torch (the group serves cpu)"))
             except offload_shim.StagingError:
                 lines.append(f"a {nbytes}-byte CPU all_reduce: refused (StagingError)")

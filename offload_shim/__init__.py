@@ -19,12 +19,12 @@ __version__ = "0.2.0"
 
 import logging
 
-from offload_shim import _counters, _patch_compiled, _patching, _replay, _warning_location
+from offload_shim import _counters, _kernels, _patching, _replay, _warning_location
 from offload_shim._communicators import register_communicator
 from offload_shim._config import ConfigError, Settings, configure, settings
 from offload_shim._counters import reset_staging_counters, staging_counters
 from offload_shim._devices import StagingError
-from offload_shim._pipeline import release_buffers
+from offload_shim._execute import release_buffers
 
 __all__ = [
     "ConfigError",
@@ -50,21 +50,15 @@ StagingError.__module__ = ConfigError.__module__ = __name__
 
 
 def _targets():
-    from offload_shim import _patch_c10d, _patch_c10d_lists, _patch_dtensor, _patch_functional, _patch_p2p
+    from offload_shim import _wrappers
 
-    return [
-        *_patch_c10d.TARGETS,
-        *_patch_c10d_lists.TARGETS,
-        *_patch_p2p.TARGETS,
-        *_patch_functional.TARGETS,
-        *_patch_dtensor.TARGETS,
-    ]
+    return _wrappers.TARGETS
 
 
 def install() -> None:
     """Install the wrappers: the ``torch.distributed`` collectives now (under every name that holds them), the
-    functional collectives and ``DTensor.full_tensor`` now or when torch first imports their module, the ``CPU``
-    kernels of the collective ops compiled code runs, and registered communicators; and the table of staged calls
+    functional collectives now or when torch first imports their module, the ``CPU`` kernels of the collective ops
+    that compiled code, the functional collectives and DTensor run, and registered communicators; and the table of staged calls
     at exit, printed where the settings ask for it then (``summary_at_exit``). Installing twice changes nothing.
     Does nothing where ``torch.distributed`` is unavailable."""
     import torch
@@ -75,7 +69,7 @@ def install() -> None:
         return
     _patching.install(_targets())
     _replay.prune()  # captures of groups destroyed while the shim was not installed
-    _patch_compiled.install()
+    _kernels.install()
     _warning_location.install()
     _counters.register_summary_at_exit()
     logging.getLogger("offload_shim").info(
@@ -87,7 +81,7 @@ def uninstall() -> None:
     """Remove the wrappers: the exact original objects are bound again under every name where a wrapper was
     (modules imported while the shim was installed included). Removing twice changes nothing."""
     _patching.uninstall()
-    _patch_compiled.uninstall()
+    _kernels.uninstall()
     _warning_location.uninstall()
 
 

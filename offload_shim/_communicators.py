@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from offload_shim import _config, _counters, _devices, _patching, _staging
+from offload_shim import _config, _counters, _devices, _patching, _staging, _table
 
 _log = logging.getLogger("offload_shim")
 
@@ -215,7 +215,7 @@ def _call(spec: _Spec, parameters, wrapped, instance, args, kwargs):
     for entry in staged.values():
         # The shim writes the results in place: refused where autograd refuses an in-place write (a leaf that
         # requires grad, an inference tensor outside inference mode), before anything is copied.
-        error = _staging.inplace_refusal(entry.caller) if entry.write else None
+        error = _table.inplace_refusal(entry.caller) if entry.write else None
         if error is not None:
             raise error
     if device.type != "cpu" and not _devices._usable(device):

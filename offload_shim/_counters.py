@@ -49,9 +49,9 @@ HOST = "host"  # accelerator tensors that the group's backends serve for this co
 # CUDA send on a Gloo group, an XPU tensor on a Gloo-only group): through pinned host memory
 # Modes: how a call was staged.
 WHOLE = "whole"  # each staged tensor copied whole, to the staging device and back as the call needs
-SMALL = "small"  # a synchronous in-place call of at most _staging.SMALL_CALL_BYTES under two chunks, through this
+SMALL = "small"  # a synchronous in-place call of at most _plan.SMALL_CALL_BYTES under two chunks, through this
 # thread's reused slot (_staging.stage_small_in_place)
-PIPELINED = "pipelined"  # in chunks (_pipeline, _pipeline_gather)
+PIPELINED = "pipelined"  # in chunks (_execute)
 REPLAYED = "replayed"  # a small call as SMALL, replayed from a CUDA graph captured at its second call (_replay)
 
 

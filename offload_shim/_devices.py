@@ -1,24 +1,18 @@
-"""Device and backend resolution: which device types a process group serves, and where to stage.
+"""Device and backend resolution: which device types a process group serves, through which backends, where this
+rank stages, and the errors that say why it cannot.
 
-The decision for one call (:func:`staging_device_for`):
-
-* the input is not a CPU tensor, or the call comes from inside a staged call: no staging (the caller's call
-  runs untouched);
-* the group serves CPU: no staging, except that a CPU tensor of at least ``route_min_bytes`` on a group whose
-  accelerator is served by another backend (``cpu:gloo,cuda:nccl``) is routed through the accelerator, for
-  collectives whose size is the same on every rank (so that every rank takes the same route);
-* otherwise the tensor is staged through an accelerator device of a type the group serves: the device bound
-  to the group (``ProcessGroup.bound_device_id``), else the current ``torch.accelerator`` device;
-* no such device: :class:`StagingError`, raised before any collective is entered, so every rank of the
-  group raises it instead of some ranks blocking in the collective.
-
-Which device types a group serves comes from the group's own record (``ProcessGroup._device_types``, the
-device types that have a backend registered on it, which is what ``ProcessGroup::getBackend`` dispatches
-on); where a torch lacks that record, from ``Backend.backend_capability`` for the group's backend names.
+Which device types a group serves comes from the group's own record (``ProcessGroup._device_types``, the device
+types that have a backend registered on it, which is what ``ProcessGroup::getBackend`` dispatches on); where a
+group keeps no record (a torch without it, or a group implemented in Python, such as torch's threaded test groups
+and backends registered with ``Backend.register_backend``), from ``Backend.backend_capability`` for the group's
+backend names, which is where torch records what a registered backend serves. The staging device for host tensors
+(:func:`staging_device`) is the configured one, else the device bound to the group (``ProcessGroup.bound_device_id``),
+else the current ``torch.accelerator`` device. What a call does with these answers is decided in ``_plan``.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import warnings
 import weakref
@@ -26,7 +20,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _counters, _staging
+from offload_shim import _config
 
 
 _log = logging.getLogger("offload_shim")
@@ -55,10 +49,11 @@ def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
     served = _served_cache.get(group)
     if served is None:
         devices = getattr(group, "_device_types", None)
-        if devices is not None:
+        if devices:
             served = frozenset(d.type for d in devices)
-        else:
-            served = frozenset(t for name in _backend_names(group) for t in dist.Backend.backend_capability.get(name, ()))
+        else:  # no record of its own: what torch recorded for its backends when they were registered
+            capability = dist.Backend.backend_capability
+            served = frozenset(t for name in _backend_names(group) for t in capability.get(name, ()))
         try:
             _served_cache[group] = served
         except TypeError:  # a group type without weak references: not cached
@@ -161,11 +156,47 @@ def _usable(device: torch.device) -> bool:
     return usable
 
 
+def staging_device(group: dist.ProcessGroup, served: frozenset[str], settings) -> tuple[torch.device | None, str]:
+    """The device through which this rank stages host tensors for ``group``, and whether that depends on the group
+    and the settings alone (``fixed``: a configured device, or the group's bound one; otherwise the current
+    accelerator device, which the program may change): ``(device, fixed)``, or ``(None, why)`` where no device of a
+    type the group serves is usable from this process (``why``: a sentence). A configured ``cpu`` is the testing
+    configuration: a device, where the group serves CPU."""
+    device = settings.staging_device
+    fixed = device is not None
+    if device is None:
+        bound = getattr(group, "bound_device_id", None)
+        fixed = bound is not None and bound.type in served
+        device = bound if fixed else _accelerator_device(served)
+    if device is not None and device.type != "cpu" and not _usable(device):
+        device = None
+    if device is not None and device.type in served:
+        return device, fixed
+    return None, _why_unstageable(served, settings.staging_device)
+
+
 def _accelerator_device(served: frozenset[str]) -> torch.device | None:
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None or accelerator.type not in served or not torch.accelerator.is_available():
         return None
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """The group's timeout (what its collectives wait for their peers): its backends' option, else the store's."""
+    for device_type in sorted(served_device_types(group)):
+        try:
+            return group._get_backend(torch.device(device_type)).options._timeout
+        except Exception:  # a backend without that record (a Python one)
+            continue
+    store = group_store(group)
+    return getattr(store, "timeout", None) or datetime.timedelta(minutes=30)
+
+
+def group_store(group: dist.ProcessGroup):
+    """The group's own store (a prefix of the job's store that no other group shares), or ``None``."""
+    entry = getattr(dist.distributed_c10d._world, "pg_map", {}).get(group)
+    return None if entry is None else entry[1]
 
 
 def backend_for(group: dist.ProcessGroup, device_type: str) -> str | None:
@@ -181,117 +212,6 @@ def backend_for(group: dist.ProcessGroup, device_type: str) -> str | None:
         if kind.strip() == device_type:
             return name.strip().lower()
     return None
-
-
-# The last group whose host tensors were staged through a device fixed by the group and the settings: (weak
-# reference to the group, the settings then, the device). One call on that group with those settings decides the
-# same way for every dense host tensor, and a small staged call costs little more than this decision.
-_last_staged: tuple = (lambda: None, None, None)
-
-
-def _remember(group: dist.ProcessGroup, settings: _config.Settings, device: torch.device) -> None:
-    global _last_staged
-    try:
-        _last_staged = (weakref.ref(group), settings, device)
-    except TypeError:  # a group type without weak references: not remembered
-        pass
-
-
-def staging_device_for(
-    tensor: torch.Tensor, group: dist.ProcessGroup, collective: str, route_bytes: int | None = None
-) -> torch.device | None:
-    """Where to stage ``tensor`` for ``collective`` on ``group``; ``None`` to run the call untouched.
-
-    Args:
-        route_bytes: for a collective that may be routed off a group's CPU backend, its size in bytes as every
-            rank of the group sees it (the same on every rank, so that every rank takes the same route); ``None``
-            for collectives whose sizes may differ per rank, which are never routed.
-
-    Raises:
-        StagingError: ``tensor`` is on the CPU, ``group`` serves no CPU backend, and no device of a type the
-            group serves is usable from this process.
-    """
-    if not tensor.is_cpu or _staging.in_staged_call():
-        return None
-    settings = _config.settings()
-    last, last_settings, last_device = _last_staged
-    if last() is group and last_settings is settings and _staging.needs_staging(tensor):
-        return _staging_through(last_device, tensor, group, collective, _counters.STAGED)  # as decided below before
-    served = served_device_types(group)
-    cpu_served = "cpu" in served
-    if cpu_served and not (settings.always_stage or _routes(route_bytes, settings, group)):
-        return None  # the served path: no more work than this on a call that needs no staging
-    if not _staging.needs_staging(tensor):  # sparse or nested: left to a CPU backend, never staged
-        return _unstaged_layout(tensor, group, collective, served)
-    device = settings.staging_device
-    fixed = device is not None  # a device that depends on nothing but the group and the settings
-    if device is None:
-        bound = getattr(group, "bound_device_id", None)
-        fixed = bound is not None and bound.type in served
-        device = bound if fixed else _accelerator_device(served)  # else the current device, which may change
-    if device is not None and device.type != "cpu" and not _usable(device):
-        device = None
-    if device is not None and device.type in served:
-        route = _counters.STAGED
-        if cpu_served:
-            # Routing off the CPU backend pays only where another backend serves an accelerator to stage through
-            # (never through the CPU itself, the testing configuration: there only always_stage stages).
-            routed = (
-                _routes(route_bytes, settings, group)
-                and device.type != "cpu"
-                and backend_for(group, device.type) != backend_for(group, "cpu")
-            )
-            if not (routed or settings.always_stage):
-                return None
-            route = _counters.ROUTED if routed else _counters.FORCED
-        if fixed and not cpu_served:  # the same answer for every dense tensor on this group, whatever its size
-            _remember(group, settings, device)
-        return _staging_through(device, tensor, group, collective, route, (route_bytes, settings.route_min_bytes))
-    if cpu_served:
-        return None
-    raise StagingError(_unstageable_message(tensor, group, collective, served, settings.staging_device))
-
-
-def staging_device_for_call(tensors, group: dist.ProcessGroup, collective: str) -> torch.device | None:
-    """Where to stage the CPU tensors among ``tensors`` (every tensor argument of one call, inputs and outputs)
-    for ``collective`` on ``group``; ``None`` to run the call untouched. Never routed by size: these calls' sizes
-    may differ per rank.
-
-    A call whose other tensors are on an accelerator the group serves (``all_gather_into_tensor`` of a CPU input
-    into a GPU output) stages its CPU tensors through that tensor's device, where torch runs the call; otherwise
-    the choice is :func:`staging_device_for`'s. Sparse tensors, and calls with a tensor on a device the group does
-    not serve (``meta``), are left to torch.
-
-    Raises:
-        StagingError: as :func:`staging_device_for`.
-    """
-    if _staging.in_staged_call():
-        return None
-    host = other = None
-    for t in tensors:
-        if t.is_cpu:
-            host = t if host is None else host
-        elif other is None:
-            other = t
-    if host is None:
-        return None
-    served = served_device_types(group)
-    if other is None and "cpu" in served and not _config.settings().always_stage:
-        return None  # the served path: host tensors only, on a group that serves CPU (never routed)
-    for t in tensors:
-        if t.is_cpu and not _staging.needs_staging(t):
-            return _unstaged_layout(t, group, collective, served)
-        if not t.is_cpu and t.device.type not in served:
-            # On a device the group does not serve (``meta``, which holds no data): torch decides, as without the
-            # shim (for ``meta`` it writes nothing), rather than a staged output filled from memory never written.
-            return None
-    for t in tensors:
-        if t.device.type != "cpu" and t.device.type in served:
-            if "cpu" not in served or backend_for(group, "cpu") != backend_for(group, t.device.type):
-                route = _counters.STAGED if "cpu" not in served else _counters.MIXED
-                return _staging_through(t.device, host, group, collective, route)
-            return None
-    return staging_device_for(host, group, collective)
 
 
 # Where a backend serves an accelerator's tensors for some collectives only, the collectives it runs on them, by
@@ -392,29 +312,7 @@ def accelerator_call_served(group: dist.ProcessGroup, device_type: str, collecti
     return answer
 
 
-def host_staging_for(tensors, group: dist.ProcessGroup, collective: str) -> str | None:
-    """The accelerator device type whose tensors among ``tensors`` (every tensor argument of one call) must go
-    through the host for ``collective`` on ``group``, or ``None`` where the call needs no host staging: the group has
-    no backend for that device type, or its backend has no path for this collective on it (:data:`PARTLY_SERVED`),
-    and the group serves CPU. Only those tensors are staged (a call mixing host and accelerator tensors keeps its
-    host ones). Where the group serves neither, torch raises its own error; sparse, nested or quantized accelerator
-    tensors are left to torch too.
-
-    Raises:
-        StagingError: inside torch's ``_coalescing_manager`` (see :func:`staging_device_for`).
-    """
-    kind = next((t.device.type for t in tensors if t.device.type not in _NOT_THROUGH_HOST), None)
-    if kind is None or _staging.in_staged_call() or accelerator_call_served(group, kind, collective):
-        return None
-    staged = [t for t in tensors if t.device.type == kind]
-    if not all(_staging.needs_staging(t, kind) for t in staged):
-        return None
-    if _staging_through(torch.device("cpu"), staged[0], group, collective, _counters.HOST) is None:
-        return None
-    return kind
-
-
-def _unstaged_layout(tensor, group, collective: str, served) -> None:
+def unstaged_layout(tensor, group, collective: str, served) -> None:
     """``None`` (left to torch) for a sparse, nested or quantized CPU tensor on a group that serves CPU; otherwise
     :class:`StagingError`, on every rank before any collective: the accelerator backends have no sparse
     collectives (NCCL: 'NCCL does not support all_reduce with sparse tensors'), and a quantized tensor cannot be
@@ -431,99 +329,39 @@ def _unstaged_layout(tensor, group, collective: str, served) -> None:
         f"and process group {group_label(group)} with backend {backend_description(group)!r} serves device types "
         f"{sorted(served)} only. offload_shim stages dense (strided), unquantized tensors only: the accelerator "
         f"backends have no {kind} collectives. Ways out: pass a dense tensor ({dense}); or give the group a CPU "
-        f"backend, e.g. init_process_group({_with_cpu_backend(group, served)!r}), which Gloo serves for sparse COO "
+        f"backend, e.g. init_process_group({with_cpu_backend(group, served)!r}), which Gloo serves for sparse COO "
         f"all_reduce. The tensor was not modified."
     )
 
 
-def _staging_through(
-    device: torch.device, tensor: torch.Tensor, group, collective: str, route: str, sizes: tuple = (None, None)
-) -> torch.device | None:
-    """``device``: the decision to stage ``tensor`` for ``collective`` through it, by ``route`` (a route of
-    ``_counters``), kept for the call's count (``_counters.decided``) and logged at DEBUG; ``None`` (or
-    :class:`StagingError` where the group serves no CPU) inside torch's ``_coalescing_manager`` on ``group``.
-    ``sizes``: the call's bytes and ``route_min_bytes``, which say why a routed call is routed."""
-    if group in getattr(dist.distributed_c10d._world, "pg_coalesce_state", {}):
-        # torch only records the collective there, to run it at the block's end: a staged copy would be copied
-        # back before it held the result.
-        served = served_device_types(group)
-        if "cpu" in served:
-            return None
-        raise StagingError(
-            f"offload_shim: {collective} got a tensor on {tensor.device} ({tuple(tensor.shape)}, {tensor.dtype}) "
-            f"inside torch.distributed's _coalescing_manager on process group {group_label(group)} with backend "
-            f"{backend_description(group)!r} (device types {sorted(served)}); offload_shim cannot stage calls that "
-            f"torch defers to the end of the block. Ways out: move the tensors to the accelerator before the block; "
-            f"or make the calls outside the coalescing manager; or give the group a CPU backend, e.g. "
-            f"init_process_group({_with_cpu_backend(group, served)!r}). The tensor was not modified."
-        )
-    if not _log.isEnabledFor(logging.INFO):  # the one question asked of the logger on a staged call's path
-        _counters.decided(route, device)
-        return device
-    _counters.decided(route, device, collective, lambda: _why(route, group, device, sizes))
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug(
-            "offload_shim: staging %s of a %s tensor %s %s through %s (group %s, backend %r)",
-            collective, tensor.device.type, tuple(tensor.shape), tensor.dtype, device, group_label(group),
-            backend_description(group),
-            extra={"offload_shim_collective": collective, "offload_shim_device": str(device)},
-        )
-    return device
-
-
-def _why(route: str, group, device: torch.device, sizes: tuple) -> str:
-    """Why a call on ``group`` is staged by ``route`` through ``device``, in a few words, for the log."""
-    served = ", ".join(sorted(served_device_types(group)))
-    where = f"group {group_label(group)} with backend {backend_description(group)} serves {served}"
-    if route == _counters.STAGED:
-        return f"{where} only"
-    if route == _counters.ROUTED:
-        nbytes, threshold = sizes
-        return f"{_counters.format_bytes(nbytes)} >= route_min_bytes {_counters.format_bytes(threshold)}; {where}"
-    if route == _counters.MIXED:
-        return f"its other tensors are on {device}; {where}"
-    if route == _counters.HOST:
-        return f"{where}, not this collective on its accelerator tensors"
-    return f"always_stage; {where}"
-
-
-def _routes(route_bytes: int | None, settings: _config.Settings, group: dist.ProcessGroup) -> bool:
-    """Whether a call of ``route_bytes`` is large enough to route off the group's CPU backend. Never on a group of
-    one rank: its CPU backend moves nothing between ranks, and staging would only add the copies."""
-    return (
-        route_bytes is not None
-        and settings.route_min_bytes is not None
-        and route_bytes >= settings.route_min_bytes
-        and group.size() > 1
-    )
-
-
-def _unstageable_message(tensor, group, collective, served, configured) -> str:
+def _why_unstageable(served, configured) -> str:
     accelerator = torch.accelerator.current_accelerator()
     if configured is not None:
-        why = (
+        return (
             f"the configured staging device {str(configured)!r} (configure(staging_device=...) or "
             f"{_config.ENV_STAGING_DEVICE}) is not usable from this process or not of a served type"
         )
-    elif accelerator is None:
-        why = "this process has no accelerator (torch.accelerator.current_accelerator() is None)"
-    elif accelerator.type not in served:
-        why = f"this process's accelerator is {accelerator.type!r}, which the group does not serve"
-    else:
-        why = f"this process's accelerator {accelerator.type!r} is not available"
+    if accelerator is None:
+        return "this process has no accelerator (torch.accelerator.current_accelerator() is None)"
+    if accelerator.type not in served:
+        return f"this process's accelerator is {accelerator.type!r}, which the group does not serve"
+    return f"this process's accelerator {accelerator.type!r} is not available"
+
+
+def unstageable_message(tensor, group, collective: str, served, why: str) -> str:
     return (
         f"offload_shim: {collective} got a tensor on {tensor.device} ({tuple(tensor.shape)}, {tensor.dtype}), but "
         f"process group {group_label(group)} with backend {backend_description(group)!r} serves device types "
         f"{sorted(served)} only, and staging through an accelerator is impossible: {why}. "
         f"Ways out: run this rank where an accelerator of a served type is usable "
         f"({', '.join(sorted(served))}); or give the group a CPU backend, e.g. "
-        f"init_process_group({_with_cpu_backend(group, served)!r}) "
+        f"init_process_group({with_cpu_backend(group, served)!r}) "
         f"(CPU tensors then travel over Gloo); or move the tensor to the accelerator before the call. "
         f"The tensor was not modified. (This is torch's 'No backend type associated with device type cpu'.)"
     )
 
 
-def _with_cpu_backend(group, served) -> str:
+def with_cpu_backend(group, served) -> str:
     """The group's backend string with Gloo added for CPU, e.g. ``'nccl'`` -> ``'cpu:gloo,cuda:nccl'``."""
     description = backend_description(group)
     if ":" not in description:

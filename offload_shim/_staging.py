@@ -15,9 +15,11 @@ path with plain host copies.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import itertools
+import os
 import threading
 import weakref
 from typing import Callable
@@ -65,6 +67,120 @@ def _finish_on(device: torch.device) -> None:
         torch.accelerator.current_stream(device).synchronize()
 
 
+class NoStream:
+    """Stands in for a stream when staging through the CPU: every copy has finished when it returns."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def new_stream(device: torch.device):
+    """A stream of ``device`` (from torch's pool of streams), or :class:`NoStream` for the CPU."""
+    return NoStream() if device.type == "cpu" else torch.Stream(device=device)
+
+
+def current_stream(device: torch.device):
+    return NoStream() if device.type == "cpu" else torch.accelerator.current_stream(device)
+
+
+@contextlib.contextmanager
+def current(stream):
+    """Make ``stream`` the current stream of its device for the block (in this thread)."""
+    if isinstance(stream, NoStream):
+        yield
+        return
+    previous = torch.accelerator.current_stream(stream.device)
+    torch.accelerator.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_stream(previous)
+
+
+# Host copies are split over the copy threads in pieces of at least this size: smaller pieces cost more than they
+# gain (one H200 host, 256 MiB pageable to pinned: one thread 12.3 GB/s in 1 MiB pieces, 31.1 in 4 MiB, 37.9 in
+# 16 MiB; 8 threads 40.2 in 16 MiB pieces: the host's memory, not the thread count, is the limit;
+# results/gpu/2026-12-01-one-h200-host-memory-probe/probe.log).
+MIN_THREADED_COPY_BYTES = 16 << 20
+
+
+def copy_threads() -> int:
+    """Threads for staging's host copies: this process's share of the CPUs it may run on (the CPUs of its affinity
+    mask divided by ``LOCAL_WORLD_SIZE``, which torchrun sets), at most 32. Not ``OMP_NUM_THREADS`` (torchrun sets it
+    to 1) nor torch's intra-op threads, which are the caller's for their own CPU work."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return max(1, min(32, cpus // ranks))
+
+
+_copy_pool_lock = globals().get("_copy_pool_lock") or threading.Lock()
+_copy_pool: list = globals().get("_copy_pool", [])  # [ThreadPoolExecutor], made on first use; kept across reload
+
+
+def host_copies(pairs) -> None:
+    """``destination.copy_(source)`` for each ``(destination, source)`` pair of flat contiguous host tensors of
+    one dtype, split over the copy threads (torch's copies release the GIL). Complete when this returns. The copy
+    threads only copy: no task of theirs waits for anything, so the callers of every group may share them."""
+    threads = copy_threads()
+    pieces = []
+    for destination, source in pairs:
+        count = max(1, min(threads, destination.numel() * destination.element_size() // MIN_THREADED_COPY_BYTES))
+        step = -(-destination.numel() // count)
+        pieces += [(destination[i : i + step], source[i : i + step]) for i in range(0, destination.numel(), step)]
+    if len(pieces) <= 1 or threads == 1:
+        for destination, source in pieces:
+            _copy(destination, source)
+        return
+    with _copy_pool_lock:
+        if not _copy_pool:
+            _copy_pool.append(concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="offload_shim_copy"))
+        executor = _copy_pool[0]
+    futures = [executor.submit(_copy, destination, source) for destination, source in pieces[1:]]
+    error = None
+    try:
+        _copy(*pieces[0])
+    except BaseException as exc:  # the other pieces are still copying: let them end before raising
+        error = exc
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
+    # Grad mode and inference mode are per thread: set here as in the calling thread.
+    with torch.no_grad(), writable(destination):
+        bits(destination).copy_(bits(source))
+
+
+def _forget_copy_pool() -> None:
+    """In a forked child: the parent's copy threads are not there, so its executor would never run a copy."""
+    _copy_pool.clear()
+
+
+if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_copy_pool)
+    _fork_hook_registered = True  # once per process, across importlib.reload
+
+
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself, or for a bool tensor its bytes (a ``uint8`` view): a host copy between bool tensors stores
     1 for any nonzero byte, where a collective leaves what the backend computed (2 in a two-rank bool SUM, for
@@ -96,7 +212,7 @@ def to_staging(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         _finish_on(tensor.device)
         return staged
     # Pinned: an asynchronous DMA. Pageable: the runtime's own staged copy, measured faster than a copy into
-    # pinned memory first (see _pipeline.PAGEABLE_PATH).
+    # pinned memory first (see _execute.PAGEABLE_PATH).
     return tensor.to(device, non_blocking=True, memory_format=torch.contiguous_format)
 
 
@@ -117,30 +233,6 @@ def writable(destination: torch.Tensor):
     ``torch.inference_mode()``, as rollouts and eval metrics are) takes writes only inside inference mode, which
     torch's own collectives bypass in C++."""
     return torch.inference_mode() if destination.is_inference() else contextlib.nullcontext()
-
-
-def inplace_refusal(tensor: torch.Tensor) -> Exception | None:
-    """The error autograd raises for an in-place write into ``tensor`` in the calling thread's modes, or ``None``
-    where it allows one: a leaf that requires grad (or a view of one) in grad mode, an inference tensor outside
-    inference mode. It is torch's own exception, raised by the same write into an empty tensor of the same kind,
-    where a backend that writes results with an autograd-visible copy (Gloo's gathers) raises it too."""
-    if tensor.is_inference() and not torch.is_inference_mode_enabled():
-        with torch.inference_mode():
-            probe = torch.empty(0)
-    elif tensor.requires_grad and torch.is_grad_enabled() and (tensor.is_leaf or getattr(tensor._base, "is_leaf", 0)):
-        probe = torch.empty(1, requires_grad=True)  # a leaf, or for a view of one a view of it
-        probe = probe if tensor.is_leaf else probe[:0]
-    else:
-        return None
-    try:
-        probe.zero_()
-    except RuntimeError as error:
-        return error
-    return None
-
-
-# Synchronous in-place calls of at most this many bytes take stage_small_in_place: this thread's reused slot.
-SMALL_CALL_BYTES = 1 << 20
 
 
 class _SmallSlot:
@@ -200,7 +292,7 @@ def _small_slot(device: torch.device, nbytes: int) -> _SmallSlot:
 
 
 def stage_small_in_place(tensor: torch.Tensor, device: torch.device, run: Callable, *, reads: bool, writes: bool):
-    """Run a synchronous in-place collective on host ``tensor`` (at most :data:`SMALL_CALL_BYTES`, any strides)
+    """Run a synchronous in-place collective on host ``tensor`` (at most ``_plan.SMALL_CALL_BYTES``, any strides)
     through this thread's reused slot on ``device``, with the fewest steps its semantics allow: one H2D copy from
     the caller's memory, ``run(staged)`` (the collective on a contiguous tensor of ``tensor``'s shape and dtype on
     ``device``), and one blocking D2H copy into the caller's tensor, which is the call's one wait for the device.
@@ -573,4 +665,88 @@ class StagedWork(dist.Work):
             finished(torch.futures.collect_all([]))
         else:
             torch.futures.collect_all([work.get_future() for work in self._works]).add_done_callback(finished)
+        return done
+
+
+class BackgroundWork(dist.Work):
+    """Work handle of an asynchronous chunked call: every collective of the call was issued before the handle was
+    returned, and a background task (``completion``, a ``concurrent.futures`` future) waits for them and copies the
+    results into the caller's tensors as they complete, as torch's own backends write an asynchronous call's
+    results whenever they are done: the caller reads them after ``wait()``, as with torch's handle. If the call
+    failed, ``wait()``, ``result()`` and the future raise its error (part of the caller's tensors may then have been
+    written, as by a collective that fails midway).
+
+    Args:
+        works: the handles of the call's collectives, in the order issued (for what describes the collective).
+        completion: the future of the background task.
+        tensors: what ``result()`` and the future give (the caller's tensors).
+        writes_to: the caller's tensors the task writes (a later staged call on their memory waits for it first).
+    """
+
+    def __init__(self, works, completion: concurrent.futures.Future, tensors, writes_to):
+        super().__init__()
+        self._works = works
+        self._completion = completion
+        self._tensors = tensors
+        token = expect_writes(writes_to, completion.exception)  # (waits, raises nothing)
+        completion.add_done_callback(lambda _: written(token))
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        if timeout and not concurrent.futures.wait([self._completion], timeout.total_seconds()).done:
+            raise RuntimeError(f"offload_shim: a staged asynchronous call did not complete within {timeout}")
+        self._completion.result()
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        return self._completion.done()
+
+    def is_success(self) -> bool:
+        return self._completion.done() and self._completion.exception() is None
+
+    def exception(self):
+        return self._completion.exception() if self._completion.done() else None
+
+    def source_rank(self) -> int:
+        return self._works[-1].source_rank()
+
+    def _source_rank(self) -> int:
+        return self._works[-1]._source_rank()
+
+    def _get_op_type(self) -> int:
+        return self._works[-1]._get_op_type()
+
+    def _get_duration(self) -> float:
+        return self._works[-1]._get_duration()
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return list(self._tensors)
+
+    def get_future(self) -> torch.futures.Future:
+        """A future of the caller's tensors, completed once they hold the result, or with the call's error."""
+        done = torch.futures.Future()
+
+        def finished(completion) -> None:
+            error = completion.exception()
+            if error is None:
+                done.set_result(list(self._tensors))
+            else:
+                done.set_exception(error)
+
+        self._completion.add_done_callback(finished)
+        return done
+
+    def get_future_result(self) -> torch.futures.Future:
+        """A future of the call's ``WorkResult`` (an int), completed once the caller's tensors hold the result."""
+        results = torch._C._distributed_c10d.WorkResult
+        done = torch.futures.Future()
+        self._completion.add_done_callback(
+            lambda c: done.set_result(int(results.SUCCESS if c.exception() is None else results.COMM_ERROR))
+        )
         return done

@@ -428,16 +428,23 @@ def check_case(case_calls: list[Call], order: list[int], reference: str) -> dict
     device = _reference_device(reference)
     counts = {"calls": len(case_calls), "refused": [], "bounded": 0}
     # Reference: each call alone, synchronously, on contiguous copies on the reference device, shim idle.
-    reference_made, reference_results, refused = [], [], []
+    reference_made, reference_results, refused, reference_types = [], [], [], []
     previous = offload_shim.configure(always_stage=False)
     try:
         for call in case_calls:
             make = _Tensors(call, device, host=False)
-            outcome = []
-            error = _layout_refusal(call) or _error_of(lambda: outcome.extend(_finish(_launch(call, make, False)[1])))
+            outcome, kinds = [], []
+
+            def reference_call():
+                results = _launch(call, make, False)[1]
+                kinds.extend(map(type, results))  # torch's own result types (AsyncCollectiveTensor, say)
+                outcome.extend(_finish(results))
+
+            error = _layout_refusal(call) or _error_of(reference_call)
             reference_made.append(make)
             refused.append(error)
             reference_results.append(outcome)
+            reference_types.append(kinds)
         if device.type != "cpu":
             torch.accelerator.synchronize()
         staged_settings = {"staging_device": "cpu", "always_stage": True} if reference == "cpu" else {}
@@ -474,8 +481,8 @@ def check_case(case_calls: list[Call], order: list[int], reference: str) -> dict
             assert devices, "nothing was staged"
     finally:
         offload_shim.configure(**dataclasses.asdict(previous))
-    for call, error, want_made, got_made, want_results, got_results in zip(
-        case_calls, refused, reference_made, staged_made, reference_results, staged_results
+    for call, error, want_made, got_made, want_results, got_results, want_types in zip(
+        case_calls, refused, reference_made, staged_made, reference_results, staged_results, reference_types
     ):
         for host in got_made.hosts():
             assert host.tensor.data_ptr() == host.pointer, (call, "the caller's tensor moved")
@@ -501,8 +508,8 @@ def check_case(case_calls: list[Call], order: list[int], reference: str) -> dict
         for index, (want, got) in enumerate(zip(want_results, got_results)):
             # A functional result comes back to its input's device (a coalesced call's i-th input, else the first).
             home = inputs[index if len(got_results) > 1 else 0]
-            if home.type == "cpu":
-                assert type(got) is torch.Tensor, (call, type(got))
+            if home.type == "cpu" and home == device:  # (a GPU run's reference is on the accelerator)
+                assert type(got) is want_types[index], (call, type(got), want_types[index])
             assert got.device == home, (call, got.device, home)
             assert same_bits(_finish([got])[0].cpu(), want.cpu()), (call, got, want)
     return counts

@@ -39,7 +39,9 @@ def python(*code: str, env: dict | None = None, check: bool = True, timeout: flo
     return result
 
 
-# Prints, as the last line, whether each collective is wrapped: "c10d=<bool> funcol=<bool> dtensor=<bool>".
+# Prints, as the last line, whether each family is wrapped: "c10d=<bool> funcol=<bool> kernels=<bool>" (the
+# functional collectives' module is imported lazily: None before; kernels: the CPU kernel of the functional all_reduce
+# op, which compiled code, the functional collectives and DTensor reach).
 REPORT = """
 import sys, wrapt
 def _wrapped(module_name, name, owner=None):
@@ -48,9 +50,12 @@ def _wrapped(module_name, name, owner=None):
         return None
     holder = getattr(module, owner) if owner else module
     return isinstance(vars(holder)[name], wrapt.FunctionWrapper)
-print("c10d=%s funcol=%s dtensor=%s" % (
+def _kernel():
+    import torch
+    return torch._C._dispatch_has_kernel_for_dispatch_key("_c10d_functional::all_reduce", "CPU")
+print("c10d=%s funcol=%s kernels=%s" % (
     _wrapped("torch.distributed.distributed_c10d", "all_reduce"),
     _wrapped("torch.distributed._functional_collectives", "all_reduce"),
-    _wrapped("torch.distributed.tensor._api", "full_tensor", "DTensor"),
+    _kernel(),
 ))
 """

@@ -113,7 +113,7 @@ def reloads() -> None:
     offload_shim.configure(chunk_bytes=12345)
     importlib.reload(offload_shim)
     assert offload_shim.settings().chunk_bytes == 12345 and offload_shim.is_installed()
-    for name in ("_patching", "_config", "_pipeline", "_staging", "_warning_location"):
+    for name in ("_patching", "_config", "_groups", "_staging", "_warning_location"):
         importlib.reload(sys.modules[f"offload_shim.{name}"])
     assert offload_shim.settings().chunk_bytes == 12345 and offload_shim.is_installed()
     check_calls(True, [], "after reloads")

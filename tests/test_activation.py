@@ -17,8 +17,8 @@ from conftest import copy_source
 from interpreters import REPORT, SHIM_VARIABLES, environment, python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ALL_WRAPPED = "c10d=True funcol=True dtensor=True"
-NONE_WRAPPED = "c10d=False funcol=False dtensor=False"
+ALL_WRAPPED = "c10d=True funcol=True kernels=True"
+NONE_WRAPPED = "c10d=False funcol=False kernels=False"
 IMPORT_TORCH = "import torch, torch.distributed.tensor"
 
 

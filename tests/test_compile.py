@@ -1,7 +1,7 @@
-"""Collectives reached from ``torch.compile``d code on CPU tensors (offload_shim/_patch_compiled.py).
+"""Collectives reached from ``torch.compile``d code on CPU tensors (offload_shim/_kernels.py).
 
 Dynamo turns ``dist.all_reduce`` and the functional collectives into ``torch.ops._c10d_functional.*`` calls, so
-the eager wrappers never run there; the ``CPU`` kernels of ``_patch_compiled`` do. On a Gloo group with
+the eager wrappers never run there; the ``CPU`` kernels of ``_kernels`` do. On a Gloo group with
 ``configure(staging_device="cpu", always_stage=True)`` compiled calls are really staged (real copies, the real
 Gloo collective on the copy, the copy back) and must equal the uncompiled, unstaged call bit for bit; without
 ``always_stage`` they must be left alone; on a ``cuda:gloo`` group on this GPU-less machine they must raise
@@ -25,7 +25,7 @@ import torch.distributed._functional_collectives as funcol
 import offload_shim
 from observe import configured, recording_staging
 from bitwise import same_bits
-from offload_shim import _patch_compiled
+from offload_shim import _kernels
 
 F = torch.ops._c10d_functional
 INDUCTOR = os.environ.get("OFFLOAD_SHIM_TEST_INDUCTOR") == "1"
@@ -59,15 +59,15 @@ def shim(**settings):
     """Both halves of the shim installed (eager wrappers and compiled kernels), ``settings`` configured, every
     staging decision recorded. After: settings, logger and the compiled kernels as they were (the rank pools are
     shared with other test files), Dynamo's caches emptied; the eager wrappers stay, as other files leave them."""
-    kernels_were_installed = _patch_compiled.is_installed()
+    kernels_were_installed = _kernels.is_installed()
     offload_shim.install()
-    _patch_compiled.install()
+    _kernels.install()
     try:
         with configured(**settings), recording_staging(collectives=True) as records:
             yield records
     finally:
         if not kernels_were_installed:
-            _patch_compiled.uninstall()
+            _kernels.uninstall()
         torch._dynamo.reset()
 
 
@@ -84,7 +84,7 @@ def rank_input(seed=0, shape=(5, 3)):
 def unstaged(name, tensor):
     """The uncompiled call with no shim at all: the reference."""
     offload_shim.uninstall()
-    _patch_compiled.uninstall()
+    _kernels.uninstall()
     tensor = tensor.clone()
     result = CALLS[name](tensor)
     return funcol.wait_tensor(result) if isinstance(result, funcol.AsyncCollectiveTensor) else result
@@ -161,8 +161,8 @@ def op_calls(group_name):
         "all_to_all_single": (lambda t: F.all_to_all_single(t, splits, splits, group_name), None),
     }
     # _dtensor's shard_dim_alltoall has a test of its own (below)
-    present = {op._opname for op in _patch_compiled._collective_ops() if op._namespace == "_c10d_functional"}
-    assert not present - set(calls) - _patch_compiled.POINT_TO_POINT, f"untested ops: {present - set(calls)}"
+    present = {op._opname for op in _kernels._collective_ops() if op._namespace == "_c10d_functional"}
+    assert not present - set(calls) - _kernels.POINT_TO_POINT, f"untested ops: {present - set(calls)}"
     return {name: call for name, call in calls.items() if name in present}
 
 
@@ -214,13 +214,13 @@ def check_in_place_into_strided_view():
 
 
 def check_eager_functional_staged_once():
-    """An eager functional collective is staged by its wrapper only; the CPU kernel underneath sees a staged
-    call and leaves it alone."""
+    """An eager functional collective of a host tensor is staged once, by the CPU kernel of the op it calls (as
+    the same call in compiled code is): its Python wrapper leaves host tensors to the op."""
     tensor = rank_input(4)
     expected = funcol.wait_tensor(funcol.all_reduce(tensor, "sum", dist.group.WORLD))
     with shim(staging_device="cpu", always_stage=True) as records:
         result = funcol.all_reduce(tensor, "sum", dist.group.WORLD)
-    assert records == [("torch.distributed._functional_collectives.all_reduce", "cpu")], records
+    assert records == [("torch.ops._c10d_functional.all_reduce", "cpu")], records
     assert same_bits(result, expected)
 
 
@@ -257,15 +257,15 @@ def check_uninstall_and_reinstall():
     with shim():
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a second registration would warn of an overridden kernel
-            _patch_compiled.install()
+            _kernels.install()
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, cpu)
         function = compiled("funcol_all_reduce", fullgraph=True)
         installed = error_of(function)
-        _patch_compiled.uninstall()
-        _patch_compiled.uninstall()
+        _kernels.uninstall()
+        _kernels.uninstall()
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, cpu)
         removed = error_of(function)
-        _patch_compiled.install()
+        _kernels.install()
         reinstalled = error_of(function)
     return installed, removed, reinstalled
 

@@ -96,10 +96,11 @@ def check_counters():
         ring = [dist.P2POp(dist.isend, torch.ones(2), peer), dist.P2POp(dist.irecv, torch.zeros(2), peer)]
         for work in dist.batch_isend_irecv(ring):
             work.wait()
+        # The functional collectives and DTensor reach the ops' CPU kernels, which count them by the op.
         funcol.all_reduce(torch.ones(6), "sum", dist.group.WORLD)  # the input only: the result is new
         funcol.all_gather_single(torch.ones(3), 0, dist.group.WORLD)
         DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0)], run_check=False).full_tensor()  # under 2 chunks
-        DTensor.from_local(torch.ones(16, 2), mesh, [Shard(0)], run_check=False).full_tensor()  # 256 bytes
+        DTensor.from_local(torch.ones(16, 2), mesh, [Shard(0)], run_check=False).full_tensor()  # output 256 bytes
         # On a one-rank mesh torch's full_tensor communicates nothing, and is left to torch: not counted.
         assert torch.equal(DTensor.from_local(torch.ones(16, 2), solo, [Shard(0)]).full_tensor(), torch.ones(16, 2))
         COMPILED.wait_tensor(COMPILED.all_reduce(torch.ones(2), "sum", dist.group.WORLD.group_name))
@@ -115,7 +116,7 @@ def check_counters():
             funcol.wait_tensor(funcol.all_reduce(torch.ones(6), "sum", dist.group.WORLD))
             DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0)], run_check=False).full_tensor()
     counters = offload_shim.staging_counters()
-    c10d, functional = "torch.distributed.", "torch.distributed._functional_collectives."
+    c10d, ops = "torch.distributed.", "torch.ops._c10d_functional."
     expected = {
         (c10d + "all_reduce", "forced", "small"): (3, 16 + 16 + 2),
         (c10d + "all_reduce", "forced", "whole"): (1, 16),
@@ -124,11 +125,9 @@ def check_counters():
         (c10d + "all_gather", "forced", "whole"): (1, 48),
         (c10d + ("send" if rank == 0 else "recv"), "forced", "whole"): (1, 20),
         (c10d + "batch_isend_irecv", "forced", "whole"): (1, 16),
-        (functional + "all_reduce", "forced", "whole"): (1, 24),
-        (functional + "all_gather_single", "forced", "whole"): (1, 12),
-        ("DTensor.full_tensor", "forced", "whole"): (1, 16),
-        ("DTensor.full_tensor", "forced", "pipelined"): (1, 128),
-        ("torch.ops._c10d_functional.all_reduce", "forced", "whole"): (1, 8),
+        (ops + "all_reduce", "forced", "whole"): (2, 24 + 8),  # the functional all_reduce, the compiled one
+        (ops + "all_gather_into_tensor", "forced", "whole"): (2, 12 + 16),  # all_gather_single, the small DTensor
+        (ops + "all_gather_into_tensor", "forced", "pipelined"): (1, 128),  # the DTensor of two chunks
         (f"{__name__}.local_double", "forced", "whole"): (1, 28),
     }
     assert {key: (c.calls, c.bytes) for key, c in counters.items()} == expected
@@ -182,11 +181,11 @@ def check_first_staged_call_of_each_line_is_logged():
         f"offload_shim: first staged call at {where}{before + 6}: torch.distributed.all_reduce, 160 B, "
         f"route forced (always_stage; {group}), mode pipelined, through cpu",
         f"offload_shim: first staged call at {where}{before + 7}: "
-        f"torch.distributed._functional_collectives.all_gather_single, 12 B, "
+        f"torch.ops._c10d_functional.all_gather_into_tensor, 12 B, "
         f"route forced (always_stage; {group}), mode whole, through cpu",
         f"offload_shim: first staged call at {where}{before + 8}: torch.ops._c10d_functional.all_reduce, 8 B, "
         f"route forced (always_stage; {group}), mode whole, through cpu",
-        f"offload_shim: first staged call at {where}{before + 9}: DTensor.full_tensor, 128 B, "
+        f"offload_shim: first staged call at {where}{before + 9}: torch.ops._c10d_functional.all_gather_into_tensor, 128 B, "
         f"route forced (always_stage; {group}), mode pipelined, through cpu",
         f"offload_shim: first staged call at {where}{before + 11}: torch.distributed.all_reduce, 64 B, "
         f"route forced (always_stage; {group}), mode small, through cpu",

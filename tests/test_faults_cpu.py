@@ -15,7 +15,8 @@ import torch.distributed._functional_collectives as funcol
 
 from bitwise import same_bits
 from observe import configured, rss_bytes
-from offload_shim import StagingError, _devices, _pipeline
+import offload_shim
+from offload_shim import StagingError, _devices, _groups
 from ranks import RankPool
 from test_staging_cpu import rank_input, staging_through_cpu
 
@@ -43,21 +44,31 @@ def _reference(tensor, *calls):
 
 
 def check_async_leaves_tensor_until_wait(numel, noncontiguous):
-    """An asynchronous staged call writes nothing into the caller's tensor before the handle is finished, whole or
-    pipelined, and the result after."""
+    """An asynchronous staged call holds the result in the caller's tensor once its handle is waited, whole or
+    pipelined. Staged whole, it writes nothing before (the handle copies back when waited); pipelined, each chunk's
+    result is written in the background as it completes, as torch's own backends write an asynchronous call's
+    results: before wait() the tensor holds, at each position, what it held or the result."""
     base = rank_input((numel, 2), torch.float32, seed=numel)
     tensor = base.t() if noncontiguous else base  # a transposed view: the pipeline's contiguous host copy
     original = tensor.clone()
     expected = _reference(tensor, dist.all_reduce)
     source_expected = _reference(tensor, lambda t: dist.broadcast(t, src=1))
+    whole = numel * 2 * 4 < 2 * CHUNK
+
+    def before_wait(want):
+        if whole:
+            assert same_bits(tensor, original)
+        else:
+            assert bool(((tensor == original) | (tensor == want)).all())
+
     with staging_through_cpu(chunk_bytes=CHUNK) as staged:
         work = dist.all_reduce(tensor, async_op=True)
-        assert same_bits(tensor, original)
+        before_wait(expected)
         assert work.wait() is True
         assert same_bits(tensor, expected)
         tensor.copy_(original)
         work = dist.broadcast(tensor, src=1, async_op=True)
-        assert same_bits(tensor, original)
+        before_wait(source_expected)
         work.wait()
         assert same_bits(tensor, source_expected)
     assert len(staged) == 2
@@ -105,10 +116,13 @@ def test_outstanding_calls_on_one_tensor(gloo_ranks, numel, wait_order):
 def check_async_error_surfaces_where_torch_raises_it(numel):
     """A collective that fails (a peer that never joins, on a group with a short timeout): torch raises in
     ``wait()``, ``is_completed()`` returns True, the future carries torch's exception. Staged, the same, with the
-    caller's tensor unchanged."""
+    caller's tensor unchanged. (Both ranks stage one call on the group first: a rank's first staged call on a group
+    waits for its peers' first one, to compare their settings, as NCCL's first call on a group waits for them.)"""
     group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    with staging_through_cpu(chunk_bytes=CHUNK):
+        dist.all_reduce(torch.ones(numel), group=group)
     if dist.get_rank() == 1:
-        return None  # never joins
+        return None  # never joins again
     outcomes = []
     for staged in (False, True):
         tensor = rank_input((numel,), torch.float32, seed=5)
@@ -292,7 +306,7 @@ def test_reads_leave_the_callers_tensor_alone(fault_ranks):
 def check_small_calls_after_inference_mode():
     """A thread's first small call of a dtype and shape made in inference mode (an eval metric) leaves the slot
     usable by the same call outside it (the training loss): unchecked, the slot's view was an inference tensor."""
-    _pipeline.release_buffers()
+    offload_shim.release_buffers()
     rank = dist.get_rank()
     with staging_through_cpu():
         with torch.inference_mode():
@@ -314,18 +328,20 @@ def test_small_calls_after_inference_mode(fault_ranks):
 
 _FORKED_CHILD = """
 import multiprocessing, sys, torch
-from offload_shim import _pipeline
+import concurrent.futures
+from offload_shim import _staging
 
 def copy(connection):
     source, destination = torch.ones(8 << 20), torch.empty(8 << 20)  # 32 MiB: two 16 MiB pieces
-    _pipeline._lane("in").submit(_pipeline._copy_after, None, destination, source).result(60)
+    lane = concurrent.futures.ThreadPoolExecutor(1)  # a copy lane of the child's, as a group's is
+    lane.submit(_staging.host_copies, [(destination, source)]).result(60)
     connection.send(bool(torch.equal(destination, source)))
 
-if _pipeline.copy_threads() < 2:
+if _staging.copy_threads() < 2:
     sys.exit(3)  # one CPU: host copies are not split over threads
 source, destination = torch.ones(8 << 20), torch.empty(8 << 20)
-_pipeline._lane("in").submit(_pipeline._copy_after, None, destination, source).result()
-assert _pipeline._copy_pool and _pipeline._lanes, "the parent's copies were not split over threads"
+concurrent.futures.ThreadPoolExecutor(1).submit(_staging.host_copies, [(destination, source)]).result()
+assert _staging._copy_pool, "the parent's copies were not split over threads"
 context = multiprocessing.get_context("fork")
 receiver, sender = context.Pipe(duplex=False)
 child = context.Process(target=copy, args=(sender,))
@@ -379,20 +395,23 @@ def test_refused_pipelined_call_writes_nothing(gloo_ranks, asynchronous):
 
 
 def check_ranks_disagree(what):
-    """Sizes that differ by whole chunks, or chunk sizes set differently: every rank raises StagingError before
-    any chunk's collective, tensors unchanged (unchecked, one rank returned a partial result and the other hung)."""
+    """Sizes that differ by whole chunks (the ranks' agreement before the first chunk), or chunk sizes set
+    differently when the ranks first stage on a group (their agreement through the group's store): every rank raises
+    StagingError before any chunk's collective, tensors unchanged (unchecked, one rank returned a partial result and
+    the other hung)."""
     rank = dist.get_rank()
     numel, chunk = (40 if rank == 0 else 24, CHUNK) if what == "size" else (40, CHUNK * (rank + 1))
+    group = dist.new_group()  # a group the ranks first stage on here
     tensor = rank_input((numel,), torch.float32, seed=8)
     original = tensor.clone()
     try:
         with staging_through_cpu(chunk_bytes=chunk):
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=group)
     finally:
         assert same_bits(tensor, original)
 
 
-@pytest.mark.parametrize("what, message", [("size", "sizes from 24 to 40 elements"), ("chunk", "OFFLOAD_SHIM_CHUNK_BYTES")])
+@pytest.mark.parametrize("what, message", [("size", "sizes from 96 to 160 bytes"), ("chunk", "OFFLOAD_SHIM_CHUNK_BYTES")])
 def test_ranks_disagree(fault_ranks, what, message):
     errors = fault_ranks.run_expecting_errors(check_ranks_disagree, what)
     assert all("StagingError" in e and "disagree" in e and message in e for e in errors), errors
@@ -416,13 +435,13 @@ def check_buffers_outlive_no_group(rounds):
     with staging_through_cpu(chunk_bytes=chunk):
         for _ in range(rounds // 2):  # warm-up: the copy lanes and threads, and their allocator arenas, settle first
             once()
-        buffers, growth = len(_pipeline.pooled_buffers()), []
+        buffers, growth = len(_groups.pooled_buffers()), []
         for _ in range(2):  # two spans: a leak grows in both, arenas still settling under load in the first only
             rss = rss_bytes()
             for _ in range(rounds):
                 once()
             growth.append(rss_bytes() - rss)
-        assert len(_pipeline.pooled_buffers()) == buffers, (buffers, len(_pipeline.pooled_buffers()))
+        assert len(_groups.pooled_buffers()) == buffers, (buffers, len(_groups.pooled_buffers()))
     return buffers, min(growth)
 
 
@@ -430,14 +449,14 @@ DESTROY_DEFAULT_GROUP = """
 import sys
 import torch, torch.distributed as dist
 import offload_shim
-from offload_shim import _pipeline
+from offload_shim import _groups
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 offload_shim.install()
 offload_shim.configure(staging_device="cpu", always_stage=True, chunk_bytes=1 << 20)
 dist.all_reduce(torch.ones(3 << 18))  # three chunks: pipelined, through a pool
-before = len(_pipeline.pooled_buffers())
+before = len(_groups.pooled_buffers())
 dist.destroy_process_group(dist.group.WORLD)  # torch destroys every group, as for None
-print(before, len(_pipeline.pooled_buffers()))
+print(before, len(_groups.pooled_buffers()))
 """
 
 
@@ -458,7 +477,7 @@ def test_buffers_outlive_no_group(fault_ranks):
     rounds, chunk = 20, 4 << 20
     for buffers, growth in fault_ranks.run(check_buffers_outlive_no_group, rounds):
         # One pool: its slots, and a bounce buffer per slot for each direction (host memory is pageable here).
-        assert buffers == 3 * _pipeline.SLOTS
+        assert buffers == 3 * _groups.SLOTS
         # A pool a group would be 2 chunks each round (160 MiB); allow one pool's worth of allocator noise.
         assert growth < 2 * chunk, growth
 
@@ -501,6 +520,7 @@ def check_failed_handle_stays_with_its_handle():
     group = dist.new_group(timeout=datetime.timedelta(seconds=1))
     tensor = torch.ones(4)
     with staging_through_cpu():
+        dist.all_reduce(torch.ones(4), group=group)  # both ranks' first staged call on it (their agreement)
         if dist.get_rank() == 0:
             work = dist.all_reduce(tensor, group=group, async_op=True)
             time.sleep(2)

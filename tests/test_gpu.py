@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import offload_shim
-from offload_shim import _pipeline_gather
+from offload_shim import _execute, _groups
 from bitwise import same_bits
 from observe import configured, counting_calls
 
@@ -108,7 +108,7 @@ def pipelined_all_reduce(pinned: bool, asynchronous: bool):
     """An all_reduce of several chunks plus a short one (reads and writes on every rank, so each slot's H2D must
     wait for its previous D2H), with the pooled buffers poisoned between calls; equal to the GPU-resident
     all_reduce bit for bit (with two ranks each element is one addition, whatever the chunking)."""
-    from offload_shim import _pipeline
+    from offload_shim import _staging
 
     rank = dist.get_rank()
     chunk = offload_shim.settings().chunk_bytes
@@ -124,7 +124,7 @@ def pipelined_all_reduce(pinned: bool, asynchronous: bool):
             if asynchronous:
                 work.wait()
             assert same_bits(t, expected)
-            for buffer in _pipeline.pooled_buffers():
+            for buffer in _groups.pooled_buffers():
                 buffer.fill_(0xFF)
 
 
@@ -191,8 +191,9 @@ def case08_full_tensor():
 
 
 def full_tensor_chunked(chunk_mib: int):
-    """full_tensor of an FSDP2-offloaded weight with uneven rows (8191 over 2 ranks: 4096 and 4095), gathered in
-    chunks of ``chunk_mib`` (_pipeline_gather): bitwise equal to the weight, the shard left alone, one gather a step,
+    """full_tensor of an FSDP2-offloaded weight with uneven rows (8191 over 2 ranks: 4096 and 4095, which torch pads
+    to 4096 for its gather), gathered in chunks of ``chunk_mib`` (the gather plan of _plan and _execute, reached
+    through torch's own redistribution): bitwise equal to the weight, the shard left alone, one gather a step,
     and at most 4 chunks of accelerator memory during the call, the pool's slots made inside it (staged whole, it
     took the shard and the full tensor: 24 chunks of 8 MiB in fp32)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -206,11 +207,10 @@ def full_tensor_chunked(chunk_mib: int):
         local = weight.to_local()
         assert local.shape == ((4096, 4095)[rank], 4096)
         before = local.detach().clone()
-        # Rows of each rank per step: the chunk over both ranks' rows; steps: the larger shard's rows over those.
-        rows = chunk // (2 * 4096 * dtype.itemsize)
-        steps = -(-4096 // rows)
+        # Bytes of each rank's padded shard a step: the chunk over both ranks; steps: the shard's bytes over those.
+        steps = -(-4096 * 4096 * dtype.itemsize // (chunk // 2))
         dist.barrier()
-        with shim(), configured(chunk_bytes=chunk), counting_calls(dist, _pipeline_gather.GATHER) as gathers:
+        with shim(), configured(chunk_bytes=chunk), counting_calls(dist, _execute.GATHER) as gathers:
             offload_shim.release_buffers()  # the call makes its pool: its slots count
             torch.accelerator.synchronize()
             torch.cuda.reset_peak_memory_stats(device)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import offload_shim
 from bitwise import same_bits
 from observe import configured, rss_bytes
-from offload_shim import StagingError, _pipeline
+from offload_shim import StagingError, _groups
 
 pytestmark = [
     pytest.mark.gpu,
@@ -126,7 +126,7 @@ def check_groups_made_and_destroyed(rounds):
     # Earlier tests in this rank process leave garbage and pools of other chunk sizes; counted in the first round's
     # figure and freed in a later one, they would read as memory the groups gave back (-20 MiB, seen once).
     gc.collect()
-    _pipeline.release_buffers()
+    offload_shim.release_buffers()
 
     def once():
         group = dist.new_group(backend=dist.get_backend())
@@ -136,13 +136,13 @@ def check_groups_made_and_destroyed(rounds):
 
     once()
     gc.collect()
-    device_bytes, rss, buffers = torch.cuda.memory_allocated(), rss_bytes(), len(_pipeline.pooled_buffers())
+    device_bytes, rss, buffers = torch.cuda.memory_allocated(), rss_bytes(), len(_groups.pooled_buffers())
     for _ in range(rounds):
         once()
     gc.collect()
     grown_device = torch.cuda.memory_allocated() - device_bytes
     grown_host = rss_bytes() - rss
-    assert len(_pipeline.pooled_buffers()) == buffers
+    assert len(_groups.pooled_buffers()) == buffers
     assert grown_device == 0, grown_device
     return {"rounds": rounds, "pool buffers": buffers, "device bytes grown": grown_device, "host RSS grown": grown_host,
             "device bytes held": device_bytes}

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import offload_shim
 from observe import configured
-from offload_shim import _devices
+from offload_shim import _devices, _plan, _table
 
 C10D = "torch.distributed."
 
@@ -43,18 +43,31 @@ def check_decision():
     tensors = {name: _fake(name) for name in ("cuda", "xpu", "mtia", "mps")}
     tensors = {name: tensor for name, tensor in tensors.items() if tensor is not None}
     tensors.update(meta=torch.empty(4, device="meta"), cpu=torch.ones(4))
+    entries = {  # the table's entries, as each family's wrapper binds them
+        "all_reduce": (_table.C10D["all_reduce"], _plan.C10D), "send": (_table.C10D["send"], _plan.C10D),
+        "batch_isend_irecv": (_table.BATCH, _plan.C10D),
+        "_functional_collectives.all_gather_tensor": (_table.FUNCTIONAL["all_gather_tensor"], _plan.FUNCTIONAL),
+        "_functional_collectives.all_reduce": (_table.FUNCTIONAL["all_reduce"], _plan.FUNCTIONAL),
+    }
+
+    def through_host(collective, value, group):
+        """The device type whose tensors the one decision stages through the host, or ``None``."""
+        entry, family = entries[collective]
+        plan = _plan.decide(_plan.Call(entry, family, group, {entry.args[0].name: value}, op=dist.ReduceOp.SUM))
+        return plan.source if plan is not None and plan.route == "host" else None
+
     decided = {}
     with configured(host_staging=True):
         for group_name, group in (("gloo", gloo), ("cuda:gloo", cuda_only)):
             for device_name, tensor in tensors.items():
-                for collective in ("all_reduce", "send", "batch_isend_irecv",
-                                   "_functional_collectives.all_gather_tensor", "_functional_collectives.all_reduce"):
-                    decided[group_name, device_name, collective] = _devices.host_staging_for(
-                        [tensor], group, C10D + collective)
+                if device_name == "cpu" and group is cuda_only:
+                    continue  # host tensors there are staged through an accelerator, or refused: test_errors.py
+                for collective in entries:
+                    decided[group_name, device_name, collective] = through_host(collective, tensor, group)
         # a call mixing host and accelerator tensors: only the accelerator's are staged (the host's are served)
-        mixed = _devices.host_staging_for([torch.ones(4), cuda], gloo, C10D + "send")
+        mixed = through_host("send", [torch.ones(4), cuda], gloo)
     with configured(host_staging=False):
-        switched_off = _devices.host_staging_for([cuda], gloo, C10D + "send")
+        switched_off = through_host("send", cuda, gloo)
     return decided, switched_off, mixed, sorted(tensors)
 
 

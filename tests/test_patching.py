@@ -7,7 +7,7 @@ import pytest
 
 from interpreters import REPORT, python
 
-ALL_WRAPPED = "c10d=True funcol=True dtensor=True"
+ALL_WRAPPED = "c10d=True funcol=True kernels=True"
 
 
 def last_line(result) -> str:
@@ -23,14 +23,14 @@ def test_patch_then_import():
     out = python(
         """
         import sys, offload_shim
-        assert "torch.distributed.tensor._api" not in sys.modules
+        assert "torch.distributed._functional_collectives" not in sys.modules
         """,
         REPORT,
         "import torch.distributed.tensor",
         REPORT,
     )
     before, after = out.stdout.strip().splitlines()[-2:]
-    assert before.startswith("c10d=True") and before.endswith("dtensor=None")
+    assert before == "c10d=True funcol=None kernels=True"
     assert after == ALL_WRAPPED
 
 
@@ -59,10 +59,10 @@ def test_unpatch_and_repatch():
         REPORT,
     )
     assert out.stdout.strip().splitlines()[-4:] == [
-        "c10d=False funcol=None dtensor=None",
-        "c10d=False funcol=False dtensor=False",
+        "c10d=False funcol=None kernels=False",
+        "c10d=False funcol=False kernels=False",
         ALL_WRAPPED,
-        "c10d=False funcol=False dtensor=False",
+        "c10d=False funcol=False kernels=False",
     ]
 
 
@@ -78,12 +78,11 @@ def test_every_spelling_wrapped_and_restored():
 
         import offload_shim  # installs; uninstalled at once, so that what follows is bound before the shim
         offload_shim.uninstall()
-        from offload_shim import _patch_c10d, _patch_c10d_lists, _patch_p2p
-        names = [t.name for t in (*_patch_c10d.TARGETS, *_patch_c10d_lists.TARGETS, *_patch_p2p.TARGETS) if t.owner is None]
+        from offload_shim import _wrappers
+        names = [t.name for t in _wrappers.TARGETS if t.owner is None and t.module == _wrappers.C10D_MODULE]
         originals = {name: getattr(c10d, name) for name in names if hasattr(c10d, name)}
         assert len(originals) >= 20, sorted(originals)
         funcol_originals = {name: vars(funcol)[name] for name in ("all_reduce", "all_gather_single", "reduce_scatter_single")}
-        full_tensor = vars(DTensor)["full_tensor"]
         assert collective_utils.broadcast is originals["broadcast"]  # bound by name before the shim
 
         early = types.ModuleType("user_module_early")
@@ -102,7 +101,8 @@ def test_every_spelling_wrapped_and_restored():
         assert early.all_reduce is dist.all_reduce
         for name in funcol_originals:
             assert vars(funcol)[name] is wrappers["torch.distributed._functional_collectives." + name]
-        assert vars(DTensor)["full_tensor"] is wrappers["torch.distributed.tensor._api.DTensor.full_tensor"]
+        # DTensor's own methods are torch's: its collectives reach the shim as the functional ops' kernels.
+        assert not isinstance(vars(DTensor)["full_tensor"], wrapt.FunctionWrapper)
 
         late = types.ModuleType("user_module_late")  # imported while installed: binds the wrapper
         exec("from torch.distributed import broadcast", late.__dict__)
@@ -116,7 +116,6 @@ def test_every_spelling_wrapped_and_restored():
         assert collective_utils.broadcast is originals["broadcast"]
         assert early.all_reduce is originals["all_reduce"] and late.broadcast is originals["broadcast"]
         assert all(vars(funcol)[name] is original for name, original in funcol_originals.items())
-        assert vars(DTensor)["full_tensor"] is full_tensor
         """
     )
 

@@ -184,13 +184,18 @@ def opposite_orders(x, y, a, b) -> None:
 
 def check_async_call_never_waits_for_peers(numel):
     """Rank 0 posts an async all_reduce on group A, then a sync one on group B; rank 1 does B, then A. torch
-    completes both; a staged async call that waited for its peers (a pipeline's agreement, a chunk's wait) would
-    leave rank 0 inside A while rank 1 waits in B, until the groups' timeout."""
+    completes both; a staged async call that waited for its peers (its chunks' agreement, a chunk's wait) would
+    leave rank 0 inside A while rank 1 waits in B, until the groups' timeout. (The ranks first stage one call on
+    each group in the same order: a rank's first staged call on a group waits for its peers' first one there, to
+    compare their settings, as NCCL's first call on a group waits for its peers to make the communicator.)"""
     a, b = _group(timeout_s=15), _group(timeout_s=15)
     x, y = rank_input((numel,), torch.float32, seed=21), rank_input((numel,), torch.float32, seed=22)
     expected_x, expected_y = _unstaged(lambda t: dist.all_reduce(t, group=a), x)[0], _unstaged(
         lambda t: dist.all_reduce(t, group=b), y)[0]
-    with staging_through_cpu(chunk_bytes=64) as devices:  # 16 float32 a chunk: the sync call is pipelined
+    with staging_through_cpu(chunk_bytes=64) as devices:  # 16 float32 a chunk: both calls are pipelined
+        for group in (a, b):
+            dist.all_reduce(torch.ones(1), group=group)
+        devices.clear()
         opposite_orders(x, y, a, b)
     assert devices == ["cpu", "cpu"]
     assert same_bits(x, expected_x) and same_bits(y, expected_y)

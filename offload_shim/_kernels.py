@@ -1,29 +1,25 @@
-"""Staging below Python: a ``CPU`` kernel for each collective op of ``torch.ops._c10d_functional`` (compiled code)
-and ``torch.ops._dtensor`` (DTensor's Shard to Shard redistribution).
+"""Staging below Python: a ``CPU`` kernel for each collective op of ``torch.ops._c10d_functional`` and
+``torch.ops._dtensor``, the ops that compiled code runs, and that the functional collectives and DTensor call.
 
-Under ``torch.compile`` Dynamo rewrites ``torch.distributed.X`` and the functional collectives into the C++ ops
-``torch.ops._c10d_functional.*`` (``all_reduce``, ``all_reduce_``, ``all_gather_into_tensor``, ...) before any
-Python wrapper runs, so the wrapt wrappers of :mod:`offload_shim._patch_c10d` and
-:mod:`offload_shim._patch_functional` never see compiled calls. Those ops are registered by torch only as
+``torch.distributed._functional_collectives`` calls these ops (``all_reduce``, ``all_gather_into_tensor``, ...),
+eagerly or from a compiled graph: Dynamo rewrites ``torch.distributed.X`` and the functional collectives into them
+before any Python wrapper runs, and DTensor's redistribution (``full_tensor()``, ``clip_grad_norm_``'s reduction of a
+``Partial`` norm) reaches them through the functional collectives, eager or compiled (DTensor's Shard(i) to Shard(j)
+all-to-all is ``torch.ops._dtensor.shard_dim_alltoall``). torch registers those ops only as
 ``CompositeExplicitAutograd`` kernels (``torch._C._dispatch_dump("_c10d_functional::all_reduce")``, torch 2.13),
-which serve every backend key, CPU included. A kernel registered for the ``CPU`` key takes precedence over
-them for CPU tensors, wherever the op is called from: a compiled graph (Dynamo with any backend, Inductor's
-generated code), or eager code that calls the op or a functional collective offload_shim does not wrap. DTensor's
-``torch.ops._dtensor.shard_dim_alltoall`` (Shard(i) to Shard(j) on an accelerator mesh, called eagerly with an
-offloaded DTensor's CPU local tensor) is registered the same way.
-
-The kernel decides with :func:`offload_shim._devices.staging_device_for`, like the eager wrappers:
+which serve every backend key, CPU included. A kernel registered for the ``CPU`` key takes precedence over them for
+CPU tensors, wherever the op is called from. So every host tensor of a functional collective, eager or compiled,
+reaches the one decision (``_plan.decide``) and the one executor (``_execute.run``) here, through the op's entry of
+the table (``_table.OPS``), as the ``torch.distributed`` functions do through theirs: the same plan, and the same
+collectives on the wire, whichever entry point a rank uses.
 
 * no staging (a group that serves CPU, or a call made from inside a staged call): torch's own
   ``CompositeExplicitAutograd`` kernel runs, on the caller's tensors, untouched;
-* staging: the tensor arguments are copied to the staging device, the same op runs there, its result is waited
-  for (``wait_tensor``), and it comes back to the CPU: a new CPU tensor (or list) for the functional ops; for
-  the in-place and ``out=`` ops the caller's own tensor is written and returned, as the op's schema says. The
-  result is complete on return; the ``wait_tensor`` the compiled graph then calls on it does nothing;
+* staging: the op runs on staged copies (or, chunked, as ``torch.distributed``'s own collectives on the chunks), its
+  result is waited for (``wait_tensor``), and it comes back to the CPU: a new CPU tensor (or list) for the
+  functional ops, complete (the functional collective wraps it in an ``AsyncCollectiveTensor``, as torch's); for the
+  in-place and ``out=`` ops the caller's own tensor is written and returned, as the op's schema says;
 * no usable staging device: :class:`offload_shim.StagingError`, before the collective is entered.
-
-Calls here are never routed off a group's Gloo backend by size (``OFFLOAD_SHIM_ROUTE_MIN_BYTES`` is for eager
-calls). Where nothing is staged the kernel adds some 10 to 30 us of Python per call (measured on a 2-core CPU).
 
 Point-to-point ops (``isend``, ``irecv``, ``batch_p2p_ops``) are not staged: a staged send would have to wait
 for its receive, which can deadlock programs that post both before waiting. On a group that serves no CPU they
@@ -48,13 +44,10 @@ import torch
 import torch.distributed as dist
 import wrapt
 
-from offload_shim import _counters, _devices, _staging
+from offload_shim import _devices, _execute, _plan, _table
 
-# The namespaces of collective ops with CompositeExplicitAutograd kernels only: the functional collectives, and
-# DTensor's Shard(i) to Shard(j) all-to-all (``torch.ops._dtensor.shard_dim_alltoall``, which DTensor redistribution
-# calls on an accelerator mesh whatever the local tensor's device, so an offloaded DTensor reaches it eagerly too).
-NAMESPACES = ("_c10d_functional", "_dtensor")
-POINT_TO_POINT = frozenset({"isend", "irecv", "batch_p2p_ops"})
+NAMESPACES = _table.OPS_NAMESPACES
+POINT_TO_POINT = frozenset(name for name, entry in _table.OPS.items() if entry.point_to_point)
 
 _log = logging.getLogger("offload_shim")
 _lock = globals().get("_lock") or threading.Lock()  # state kept across importlib.reload
@@ -149,26 +142,6 @@ def _group(group_name) -> dist.ProcessGroup | None:
         return None
 
 
-def _tensor_and_group(op):
-    """A function of a call's ``(args, kwargs)`` returning its first tensor argument (the first of a list) and
-    its process group; either is ``None`` where there is none. Argument positions are read from the schema once."""
-    arguments = op._schema.arguments
-    names = [a.name for a in arguments]
-    tensor_index = next(i for i, a in enumerate(arguments) if _is_tensor_type(a.type))
-    group_index = names.index("group_name")
-
-    def get(index, args, kwargs):
-        return args[index] if index < len(args) else kwargs.get(names[index])
-
-    def tensor_and_group(args, kwargs):
-        tensor = get(tensor_index, args, kwargs)
-        if isinstance(tensor, (list, tuple)):
-            tensor = tensor[0] if tensor else None
-        return tensor, _group(get(group_index, args, kwargs))
-
-    return tensor_and_group
-
-
 def _label(op) -> str:
     overload = op._schema.overload_name
     return f"torch.ops.{op._namespace}.{op._opname}" + (f".{overload}" if overload else "")
@@ -180,45 +153,48 @@ def _original(op):
     return lambda *args, **kwargs: op._op_dk(key, *args, **kwargs)
 
 
+class _OpCaller:
+    """The op with the caller's arguments, some replaced by staged ones (``call``), for the executor."""
+
+    __slots__ = ("op", "names", "args", "kwargs")
+
+    def __init__(self, op, names, args, kwargs):
+        self.op, self.names, self.args, self.kwargs = op, names, args, kwargs
+
+    def call(self, replaced: dict):
+        args = [replaced.get(name, value) for name, value in zip(self.names, self.args)]
+        kwargs = {name: replaced.get(name, value) for name, value in self.kwargs.items()}
+        return self.op(*args, **kwargs)
+
+
 def _staging_kernel(op):
     """The ``CPU`` kernel of collective ``op``: same arguments and results as ``op`` (see the module docstring).
 
     Raises:
         StagingError: the group serves no CPU and no staging device is usable; nothing was written.
     """
-    original, schema, label, tensor_and_group = _original(op), op._schema, _label(op), _tensor_and_group(op)
+    original, schema = _original(op), op._schema
+    entry = _table.op_entry(op._namespace, op._opname, schema)
     names = [a.name for a in schema.arguments]
-    mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    outs = {a.name for a in schema.arguments if a.kwarg_only and a.alias_info is not None}  # out=: written, not read
+    group_at = names.index("group_name")
+    root_at = names.index("src") if "src" in names and entry.root else None
 
     def kernel(*args, **kwargs):
-        tensor, group = tensor_and_group(args, kwargs)
-        device = None if tensor is None or group is None else _devices.staging_device_for(tensor, group, label)
-        if device is None:
+        group = _group(args[group_at] if group_at < len(args) else kwargs.get("group_name"))
+        if group is None:
             return original(*args, **kwargs)
-        nbytes = _counters.host_bytes((*args, *kwargs.values()))
-        try:
-            return run_staged(device, args, kwargs)
-        finally:
-            _counters.count(label, _counters.WHOLE, nbytes)
-
-    def run_staged(device, args, kwargs):  # the op on staged copies, results back as its schema says
-        staged = _staging.StagedArguments(device)
-
-        def stage(name, value):
-            return staged.stage(value, reads=name not in outs, writes=name in mutated)
-
-        staged_args = [stage(name, value) for name, value in zip(names, args)]
-        staged_kwargs = {name: stage(name, value) for name, value in kwargs.items()}
-        with _staging.staged_call():
-            result = _wait(op(*staged_args, **staged_kwargs))
-        if not mutated:  # functional: a new tensor, or list of them, on the CPU
-            if isinstance(result, torch.Tensor):
-                return _staging.to_caller(result, torch.device("cpu"))
-            return [_staging.to_caller(r, torch.device("cpu")) for r in result]
-        # In-place or out=: the caller's own tensor(s) receive the result and are returned, as the schema says.
-        staged.copy_back()
-        return _argument(schema, mutated[0], args, kwargs)
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        root_rank = None if root_at is None else bound.get("src")
+        call = _plan.Call(
+            entry, _plan.OPS, group, {a.name: bound[a.name] for a in entry.args if a.name in bound},
+            root=None if root_rank is None else group.rank() == root_rank, root_rank=root_rank,
+            op=_execute.reduce_op(bound.get("reduce_op")) if entry.reduces else None,
+        )
+        plan = _plan.decide(call)
+        if plan is None:
+            return original(*args, **kwargs)
+        return _execute.run(plan, _OpCaller(op, names, args, kwargs))
 
     return kernel
 
@@ -226,10 +202,18 @@ def _staging_kernel(op):
 def _refusing_kernel(op):
     """The ``CPU`` kernel of point-to-point ``op``: torch's kernel, or :class:`StagingError` where the group
     serves no CPU."""
-    original, label, tensor_and_group = _original(op), _label(op), _tensor_and_group(op)
+    original, label = _original(op), _label(op)
+    names = [a.name for a in op._schema.arguments]
+    tensor_at = next(i for i, a in enumerate(op._schema.arguments) if _is_tensor_type(a.type))
+    group_at = names.index("group_name")
 
     def kernel(*args, **kwargs):
-        tensor, group = tensor_and_group(args, kwargs)
+        def get(index):
+            return args[index] if index < len(args) else kwargs.get(names[index])
+
+        tensor, group = get(tensor_at), _group(get(group_at))
+        if isinstance(tensor, (list, tuple)):
+            tensor = tensor[0] if tensor else None
         served = frozenset() if group is None else _devices.served_device_types(group)
         if tensor is not None and group is not None and "cpu" not in served:
             raise _devices.StagingError(
@@ -239,19 +223,9 @@ def _refusing_kernel(op):
                 f"torch.ops._c10d_functional (what compiled code, and funcol's isend_inplace/irecv_inplace, call). "
                 f"Ways out: use torch.distributed.isend/irecv/batch_isend_irecv outside compiled code, which are "
                 f"staged; or move the tensor to the accelerator before the call; or give the group a "
-                f"CPU backend, e.g. init_process_group({_devices._with_cpu_backend(group, served)!r}). "
+                f"CPU backend, e.g. init_process_group({_devices.with_cpu_backend(group, served)!r}). "
                 f"The tensor was not modified."
             )
         return original(*args, **kwargs)
 
     return kernel
-
-
-def _wait(result):
-    wait = torch.ops._c10d_functional.wait_tensor
-    return wait(result) if isinstance(result, torch.Tensor) else [wait(r) for r in result]
-
-
-def _argument(schema, name, args, kwargs):
-    index = [a.name for a in schema.arguments].index(name)
-    return args[index] if index < len(args) else kwargs[name]

@@ -1,0 +1,534 @@
+"""The one executor: it runs any plan of ``_plan.decide``, synchronous or not, with the wire the plan says.
+
+Modes (``_counters``), each only a way for this rank to copy:
+
+* small: a synchronous in-place ``torch.distributed`` call of a few bytes, through this thread's reused slot
+  (``_staging.stage_small_in_place``), or replayed from a CUDA graph captured from it (``_replay``);
+* whole: every tensor the call reads copied to the staging device, torch's call on the staged tensors, what it
+  writes copied back (``_staging.StagedArguments``); asynchronous, the handle copies back when waited;
+* pipelined: the plan's chunks (:class:`_plan.Chunks`), each a collective of its own, after an agreement: one small
+  ``all_reduce`` of what the ranks must share (the collective, the size, a reduction's dtype, the step), checked
+  before the first chunk's collective, so that ranks that would split a call differently raise
+  :class:`StagingError` instead of sending mismatched collectives.
+
+A pipelined call sends the same collectives, synchronous or not. Synchronous (:func:`_run_sync`): through the
+group's pool (``_groups.pool``), chunk ``i`` in slot ``i % 2``: H2D on the pool's H2D stream after the slot's
+previous D2H, the collective launched with the H2D stream current (the backend's stream waits on that copy), D2H on
+the pool's D2H stream after the collective; so a chunk's collective overlaps the next chunk's H2D and the previous
+one's D2H. Asynchronous (:func:`_run_async`): accelerator memory for every chunk, so that no chunk waits for another
+to free a slot: every H2D and every collective is issued before the call returns its handle, the call keeping its
+place in the group's order, and a task on the group's completion lane waits for each chunk in turn, copies it back
+into the caller's tensor and ends the handle's wait. Pageable host memory goes through two pinned bounce buffers per
+direction: host copies into them on the group's ``in`` lane, out of them on its ``out`` lane (or on the completion
+lane), beside the DMA. A pinned (or registered) tensor is copied to and from directly. Chunk collectives are
+``torch.distributed``'s own functions (``all_reduce``, ``broadcast``, ``reduce``, ``all_gather_single``) on the
+chunks, whatever the entry point: the same collectives for an eager, functional or compiled call.
+
+Staging memory a call needs is obtained before anything is sent, so a rank that cannot get it raises before the
+wire, as a rank that raises in torch does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from offload_shim import _counters, _groups, _registration, _replay, _staging
+from offload_shim._devices import StagingError, group_label
+from offload_shim._plan import C10D, Chunks, Plan
+from offload_shim._table import BOTH, ELEMENTWISE, NONE, READ, WRITE
+
+_log = logging.getLogger("offload_shim")
+
+# Both chosen by measurement (benchmarks/bench_staging.py,
+# results/gpu/2026-12-01-two-h200-gpu-tests-and-benchmark/bench.log): with pageable memory, bounce buffers with
+# threaded host copies beat the runtime's own staged copy (49.7 against 55.5 ms for 256 MiB).
+PAGEABLE_PATH = "bounce"  # or "driver": the runtime's own (synchronous) staged copy of the pageable chunk
+# torch's gather of each rank's part into one tensor, by its current name: ``all_gather_single`` (2.13); 2.11 has
+# only ``all_gather_into_tensor``, which 2.13 deprecates with a warning torch's own calls never give.
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+def run(plan: Plan, caller):
+    """Run ``plan``; ``caller`` is the family's way to call torch on staged tensors: ``caller.call(replaced)`` runs
+    the call with the tensor arguments of ``replaced`` (parameter name to value) in place of the caller's.
+
+    Returns:
+        What torch's call returns: ``None``, a work handle (``async_op=True``), a future, or the op's result.
+
+    Raises:
+        What torch raises of the call's tensors (the entry's refusals) before anything is copied;
+        :class:`StagingError` where the ranks disagree on a pipelined call; what the collective raises.
+    """
+    call = plan.call
+    mode = plan.mode
+    for arg in call.entry.args:  # refused as torch refuses, before anything is staged (and not counted)
+        if arg.refusal is not None and arg.role_on(call.root) != NONE:
+            for tensor in _tensors(call.values.get(arg.name)):
+                error = arg.refusal(tensor)
+                if error is not None:
+                    raise error
+    try:
+        if mode is _counters.SMALL:
+            replayed, result = _small(plan, caller)
+            if replayed:
+                mode = _counters.REPLAYED
+            return result
+        if mode is _counters.PIPELINED:
+            return _pipelined(plan)
+        return _whole(plan, caller)
+    finally:
+        _counters.count(call.entry.label, mode, plan.nbytes)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for each in value:
+            yield from _tensors(each)
+
+
+def _reads_writes(plan: Plan, name: str) -> tuple[bool, bool]:
+    if plan.call.entry.returns_new:
+        return True, True  # a new result: every rank's input in, every rank's result out
+    role = plan.call.role(name)
+    return role in (READ, BOTH), role in (WRITE, BOTH)
+
+
+# ---------------------------------------------------------------- small and whole
+
+
+def _small(plan: Plan, caller) -> tuple[bool, object]:
+    """``(replayed, result)`` of a small synchronous in-place call."""
+    name = plan.call.entry.args[0].name
+    tensor = plan.call.values[name]
+    reads, writes = _reads_writes(plan, name)
+
+    def run(staged):
+        return caller.call({name: staged})
+
+    if plan.device.type == "cuda":  # replayed from a CUDA graph where the group and the call allow it
+        capture = _replay.capture_for(tensor, plan.device, plan.call.group, caller.replay_key(), run, reads, writes,
+                                      caller.settings)
+        if capture is not None:
+            _replay.replay(capture, tensor)
+            return True, None
+    return False, _staging.stage_small_in_place(tensor, plan.device, run, reads=reads, writes=writes)
+
+
+def _whole(plan: Plan, caller):
+    """The call on its tensors staged whole (see the module docstring)."""
+    call = plan.call
+    entry = call.entry
+    staged = _staging.StagedArguments(plan.device, plan.source)
+    replaced = {}
+    for arg in entry.args:
+        if arg.name not in call.values:
+            continue
+        reads, writes = _reads_writes(plan, arg.name)
+        if not (reads or writes):  # torch ignores it here (a gather's list on a rank that is not the root)
+            continue
+        replaced[arg.name] = staged.stage(call.values[arg.name], reads=reads, writes=writes and not entry.returns_new)
+    with _staging.staged_call():
+        result = caller.call(replaced)
+        if call.family != C10D:  # a functional collective or op: its result is complete once waited
+            result = _completed(result)
+    if entry.returns_new:
+        return _back(result, call.values, plan.source)
+    if call.family != C10D:  # an in-place or out= op: the caller's own tensor receives the result and is returned
+        staged.copy_back()
+        return call.values[_written(entry)]
+    single = len(entry.args) == 1 and isinstance(call.values.get(entry.args[0].name), torch.Tensor)
+    return staged.complete(result, [call.values[entry.args[0].name]] if single else None)
+
+
+def _written(entry) -> str:
+    """The first argument an in-place or ``out=`` entry writes."""
+    return next(a.name for a in entry.args if a.role != READ)
+
+
+def _completed(result):
+    """A functional collective's result, complete on the current stream: an ``AsyncCollectiveTensor`` waited, an
+    op's tensor (whose collective may still run) passed through ``wait_tensor``; a list, each."""
+    if isinstance(result, (list, tuple)):
+        return [_completed(each) for each in result]
+    if not isinstance(result, torch.Tensor):
+        return result
+    if type(result) is not torch.Tensor and callable(getattr(result, "wait", None)):
+        return result.wait()  # AsyncCollectiveTensor
+    return torch.ops._c10d_functional.wait_tensor(result)
+
+
+def _back(result, values: dict, source: str):
+    """New results (functional collectives, ops), complete, on their inputs' devices: each staged one copied back
+    (a coalesced call's i-th result to its i-th input's device)."""
+    inputs = list(_tensors(list(values.values())))
+    results = result if isinstance(result, (list, tuple)) else [result]
+    back = []
+    for index, each in enumerate(results):
+        home = inputs[index if len(results) > 1 and index < len(inputs) else 0]
+        if isinstance(each, torch.Tensor) and _staging.needs_staging(home, source):
+            each = _staging.to_caller(each, home.device)
+        back.append(each)
+    return back if isinstance(result, (list, tuple)) else back[0]
+
+
+# ---------------------------------------------------------------- pipelined
+
+
+def _pipelined(plan: Plan):
+    """Run a chunked call: its host source and destination bytes, the chunk launcher, then the sync or async loop."""
+    call, chunks = plan.call, plan.chunks
+    entry, group, device = call.entry, call.group, plan.device
+    if entry.wire == ELEMENTWISE:
+        tensor = call.values[entry.args[0].name]
+        reads, writes = _reads_writes(plan, entry.args[0].name)
+        result = _new_like(tensor, tensor.shape, device) if entry.returns_new else None
+        source, back_in = _host_bytes(tensor, device, reads, register=True)
+        dest, back_out = (_host_bytes(result, device, False)[0], None) if result is not None else (source, back_in)
+        if result is None and not writes:
+            back_out = None
+    else:  # gather: each rank's input into the rank-major output
+        inputs = next(a.name for a in entry.args if a.role == READ)
+        tensor = call.values[inputs]
+        outputs = next((a.name for a in entry.args if a.role == WRITE), None)
+        reads = writes = True
+        if outputs is None:
+            result = _new_like(tensor, (group.size() * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else
+                               (group.size(),), device)
+            target = result
+        else:
+            result, target = None, call.values[outputs]
+        source, _ = _host_bytes(tensor, device, True)
+        dest, back_out = _host_bytes(target, device, False)
+    launch = _launcher(chunks, call)
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("offload_shim: %s in %d chunks of %d bytes (%s) through %s", entry.label, chunks.count,
+                   chunks.step, chunks.kind, device)
+    if call.async_op:
+        return _run_async(plan, source, dest, launch, reads, writes, back_out)
+    _run_sync(plan, source, dest, launch, reads, writes)
+    if back_out is not None:
+        back_out()
+    if result is not None:
+        return result
+    return None if call.family == C10D else call.values[_written(entry)]
+
+
+def _new_like(tensor: torch.Tensor, shape, device) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return torch.empty(shape, dtype=tensor.dtype, pin_memory=device.type != "cpu")
+
+
+def _host_bytes(tensor: torch.Tensor, device, reads: bool, register: bool = False):
+    """``(flat bytes, copy_back)``: ``tensor``'s own memory as bytes where it is contiguous (written through
+    ``.data``, as torch's C++ writes: no version counter bump), else a contiguous pinned copy (holding its values
+    where ``reads``) and the function that writes that copy back into ``tensor``. Obtained before any chunk is sent."""
+    _staging.finish_writes_to([tensor])
+    if tensor.is_contiguous():
+        if register:
+            _registration.register_for_staging(tensor, device)  # pageable: registered at its reuse, if set
+        return _staging.bits(tensor.data.reshape(-1)).view(torch.uint8), None
+    copy = _groups.host_buffer(tensor.numel() * tensor.element_size(), device)
+    typed = copy.view(tensor.dtype).view(tensor.shape) if tensor.dtype is not torch.bool else copy.view(tensor.shape)
+    if reads:
+        with torch.no_grad():
+            _staging.bits(typed).copy_(_staging.bits(tensor))
+
+    def copy_back() -> None:
+        with torch.no_grad(), _staging.writable(tensor):
+            _staging.bits(tensor.data).copy_(_staging.bits(typed))
+
+    return copy, copy_back
+
+
+_REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "product": "PRODUCT", "min": "MIN", "max": "MAX", "band": "BAND",
+               "bor": "BOR", "bxor": "BXOR"}
+
+
+def reduce_op(op):
+    """``op`` as ``torch.distributed`` takes it: a ``ReduceOp`` as given, or a functional collective's name of one
+    (``"sum"``); ``None`` for a name it does not know."""
+    if isinstance(op, str):
+        name = _REDUCE_OPS.get(op.lower())
+        return None if name is None else getattr(dist.ReduceOp, name)
+    return op
+
+
+def _launcher(chunks: Chunks, call):
+    """``launch(index, slot) -> work``: chunk ``index``'s collective, asynchronous, on ``slot`` (the bytes of the
+    accelerator memory the chunk uses), through ``torch.distributed``'s own function of the chunks' kind."""
+    group, kind = call.group, chunks.kind
+    if kind == "all_gather":
+        gather, world, rank = getattr(dist, GATHER), chunks.world, group.rank()
+
+        def launch(index: int, slot: torch.Tensor):
+            count = _count(chunks, index)
+            return gather(slot[: world * count], slot[rank * count : (rank + 1) * count], group=group, async_op=True)
+
+        return launch
+    function = getattr(dist, kind)  # torch.distributed's all_reduce, broadcast or reduce
+    if kind == "all_reduce":
+        options = {"op": call.op}
+    elif kind == "broadcast":
+        options = {"group_src": call.root_rank}
+    else:
+        options = {"group_dst": call.root_rank, "op": call.op}
+
+    def launch(index: int, slot: torch.Tensor):
+        typed = slot[: _count(chunks, index)].view(chunks.dtype)
+        return function(typed, group=group, async_op=True, **options)
+
+    return launch
+
+
+def _count(chunks: Chunks, index: int) -> int:
+    """The bytes chunk ``index`` takes of each rank's ``total``."""
+    return min(chunks.step, chunks.total - index * chunks.step)
+
+
+def _ins(chunks: Chunks, index: int, source: torch.Tensor, rank: int):
+    """``(offset in the slot, source bytes)`` that chunk ``index`` copies in."""
+    start, count = index * chunks.step, _count(chunks, index)
+    return (rank * count if chunks.kind == "all_gather" else 0), source[start : start + count]
+
+
+def _outs(chunks: Chunks, index: int, dest: torch.Tensor):
+    """``[(offset in the slot, destination bytes)]`` that chunk ``index`` copies out."""
+    start, count = index * chunks.step, _count(chunks, index)
+    if chunks.kind == "all_gather":
+        return [(r * count, dest[r * chunks.total + start : r * chunks.total + start + count]) for r in range(chunks.world)]
+    return [(0, dest[start : start + count])]
+
+
+def _slot_bytes(chunks: Chunks, index: int) -> int:
+    return _count(chunks, index) * (chunks.world if chunks.kind == "all_gather" else 1)
+
+
+def _agreement(chunks: Chunks, device) -> torch.Tensor:
+    mine = torch.tensor(chunks.code(), dtype=torch.int64)
+    return torch.cat([mine, -mine]).to(device)
+
+
+def _launch_agreement(group, tensor: torch.Tensor):
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    return group.allreduce([tensor], options)
+
+
+def _check_agreement(group, values: list[int], chunks: Chunks, collective: str) -> None:
+    """Raise :class:`StagingError` where the ranks' agreement tensor says they would split the call differently."""
+    high, low = values[:4], [-v for v in values[4:]]
+    if high == low:
+        return
+    what = []
+    if high[0] != low[0]:
+        what.append(f"collectives (this rank: {chunks.kind})")
+    if high[1] != low[1]:
+        what.append(f"sizes from {low[1]} to {high[1]} bytes (this rank: {chunks.total})")
+    if high[2] != low[2]:
+        what.append(f"dtypes (this rank: {chunks.dtype})")
+    if high[3] != low[3]:
+        what.append(f"chunk sizes from {low[3]} to {high[3]} bytes (this rank: {chunks.step})")
+    raise StagingError(
+        f"offload_shim: the ranks of process group {group_label(group)} disagree on this staged {collective}: "
+        f"{'; '.join(what)}. No rank ran its chunks; the caller's tensors are unchanged."
+    )
+
+
+def _copy_after(event, pairs) -> None:
+    """On a copy lane: once ``event`` (if any) has completed, copy each ``(destination, source)`` pair of flat host
+    tensors on the copy threads."""
+    if event is not None:
+        event.synchronize()
+    _staging.host_copies(pairs)
+
+
+def _settle(futures, quietly: bool = False) -> None:
+    """Wait for every future of ``futures`` (``None`` entries skipped); then raise the first one's error, if any,
+    unless ``quietly``."""
+    error = None
+    for future in futures:
+        if future is None:
+            continue
+        try:
+            future.result()
+        except BaseException as exc:
+            error = error or exc
+    if error is not None and not quietly:
+        raise error
+
+
+def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> None:
+    """The chunks through the group's pool, two in flight (see the module docstring); the caller's destination
+    holds every chunk's result when this returns."""
+    call, chunks, device = plan.call, plan.chunks, plan.device
+    group, rank = call.group, call.group.rank()
+    pool = _groups.pool(device, max(chunks.chunk_bytes, chunks.slot_bytes, 16))
+    slots = len(pool.slots)
+    pinned_in, pinned_out = _staging._is_pinned(source), _staging._is_pinned(dest)
+    bounce_in = PAGEABLE_PATH == "bounce" and reads and not pinned_in
+    bounce_out = PAGEABLE_PATH == "bounce" and writes and not pinned_out
+    buffers_in = pool.bounce("in") if bounce_in else None  # before the wire, as every buffer
+    buffers_out = pool.bounce("out") if bounce_out else None
+    agreement = _agreement(chunks, device)
+    copies_in = {}  # chunk -> future of its copy into a bounce buffer
+    copies_out = [None] * slots  # slot -> future of the copy out of its bounce buffer
+    lane_in = _groups.lane(group, "in") if bounce_in else None
+    lane_out = _groups.lane(group, "out") if bounce_out else None
+
+    def copy_in(index: int) -> None:  # after the last H2D copy out of that bounce buffer
+        offset, view = _ins(chunks, index, source, rank)
+        bounce = buffers_in[index % slots][offset : offset + view.numel()]
+        copies_in[index] = lane_in.submit(_copy_after, pool.bounce_free[index % slots], [(bounce, view)])
+
+    try:
+        with _staging.staged_call(), torch.no_grad(), _staging.writable(dest):
+            pool.h2d.wait_stream(_staging.current_stream(device))
+            if bounce_in:
+                copy_in(0)
+            for index in range(chunks.count):
+                s = index % slots
+                slot = pool.slots[s]
+                if pool.slot_free[s] is not None:
+                    pool.h2d.wait_event(pool.slot_free[s])
+                if reads:
+                    offset, view = _ins(chunks, index, source, rank)
+                    origin = view
+                    if bounce_in:
+                        copies_in.pop(index).result()
+                        origin = buffers_in[s][offset : offset + view.numel()]
+                    with _staging.current(pool.h2d):
+                        slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
+                    if bounce_in:
+                        pool.bounce_free[s] = pool.h2d.record_event()
+                        if index + 1 < chunks.count:
+                            copy_in(index + 1)
+                if index == 0:  # behind the first chunk's H2D
+                    _launch_agreement(group, agreement).wait()
+                    _check_agreement(group, agreement.tolist(), chunks, call.entry.label)
+                with _staging.current(pool.h2d):
+                    work = launch(index, slot)
+                with _staging.current(pool.d2h):
+                    work.wait()  # the D2H stream waits on the collective (Gloo: the collective has finished)
+                if writes:
+                    if bounce_out:
+                        if copies_out[s] is not None:  # that bounce buffer's last copy out has finished
+                            copies_out[s].result()
+                        landing = buffers_out[s]
+                        used = _slot_bytes(chunks, index)
+                        with _staging.current(pool.d2h):
+                            landing[:used].copy_(slot[:used], non_blocking=True)
+                        pairs = [(view, landing[offset : offset + view.numel()])
+                                 for offset, view in _outs(chunks, index, dest)]
+                        copies_out[s] = lane_out.submit(_copy_after, pool.d2h.record_event(), pairs)
+                    else:
+                        with _staging.current(pool.d2h):
+                            for offset, view in _outs(chunks, index, dest):
+                                view.copy_(slot[offset : offset + view.numel()], non_blocking=pinned_out)
+                pool.slot_free[s] = pool.d2h.record_event()
+            done = pool.d2h.record_event()
+            _settle(copies_out)
+    except BaseException:  # every copy this call started ends before the pool is given back
+        _settle([*copies_in.values(), *copies_out], quietly=True)
+        pool.synchronize()
+        raise
+    finally:
+        _groups.give_back(pool)
+    done.synchronize()
+
+
+def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back_out):
+    """Issue every chunk of an asynchronous call and return its handle (see the module docstring)."""
+    call, chunks, device = plan.call, plan.chunks, plan.device
+    group, rank = call.group, call.group.rank()
+    # Before the wire: accelerator memory for every chunk, and pinned bounce buffers for pageable memory.
+    sizes = [_slot_bytes(chunks, index) for index in range(chunks.count)]
+    offsets = [sum(sizes[:index]) for index in range(chunks.count)]
+    with torch.inference_mode(False):
+        memory = torch.empty(max(1, sum(sizes)), dtype=torch.uint8, device=device)
+    bounce_in = PAGEABLE_PATH == "bounce" and reads and not _staging._is_pinned(source)
+    bounce_out = PAGEABLE_PATH == "bounce" and writes and not _staging._is_pinned(dest)
+    buffers_in = [_groups.host_buffer(chunks.step, device) for _ in range(2)] if bounce_in else None
+    buffers_out = [_groups.host_buffer(max(sizes), device) for _ in range(2)] if bounce_out else None
+    h2d, d2h = _staging.new_stream(device), _staging.new_stream(device)
+    agreement = _agreement(chunks, device)
+    works, free, copies_in = [], [None, None], {}
+    lane_in = _groups.lane(group, "in") if bounce_in else None
+
+    def copy_in(index: int) -> None:
+        _, view = _ins(chunks, index, source, rank)
+        copies_in[index] = lane_in.submit(_copy_after, free[index % 2], [(buffers_in[index % 2][: view.numel()], view)])
+
+    with _staging.staged_call(), torch.no_grad():
+        h2d.wait_stream(_staging.current_stream(device))
+        works.append(_launch_agreement(group, agreement))
+        try:
+            if bounce_in:
+                copy_in(0)
+            for index in range(chunks.count):
+                slot = memory[offsets[index] : offsets[index] + sizes[index]]
+                if reads:
+                    offset, view = _ins(chunks, index, source, rank)
+                    origin = view
+                    if bounce_in:
+                        copies_in.pop(index).result()
+                        origin = buffers_in[index % 2][: view.numel()]
+                    with _staging.current(h2d):
+                        slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
+                    if bounce_in:
+                        free[index % 2] = h2d.record_event()
+                        if index + 1 < chunks.count:
+                            copy_in(index + 1)
+                with _staging.current(h2d):
+                    works.append(launch(index, slot))
+        except BaseException:
+            _settle(copies_in.values(), quietly=True)
+            raise
+    token_free = h2d.record_event()  # the caller's memory has been read once this has completed
+
+    def complete() -> None:
+        with torch.no_grad(), _staging.writable(dest):
+            with _staging.current(d2h):
+                works[0].wait()
+            _check_agreement(group, agreement.tolist(), chunks, call.entry.label)
+            pending = None  # (event, pairs) of the previous chunk's copy out of its bounce buffer
+            for index in range(chunks.count):
+                slot = memory[offsets[index] : offsets[index] + sizes[index]]
+                with _staging.current(d2h):
+                    works[index + 1].wait()
+                    if writes and bounce_out:
+                        landing = buffers_out[index % 2]
+                        landing[: sizes[index]].copy_(slot, non_blocking=True)
+                        event = d2h.record_event()
+                        if pending is not None:
+                            _copy_after(*pending)
+                        pending = (event, [(view, landing[offset : offset + view.numel()])
+                                           for offset, view in _outs(chunks, index, dest)])
+                    elif writes:
+                        for offset, view in _outs(chunks, index, dest):
+                            view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
+            if pending is not None:
+                _copy_after(*pending)
+            d2h.synchronize()
+            token_free.synchronize()
+            if back_out is not None:
+                back_out()
+
+    completion = _groups.completion_lane(group).submit(complete)
+    caller = call.values[call.entry.args[0].name if call.entry.wire == ELEMENTWISE else _written(call.entry)]
+    return _staging.BackgroundWork(works, completion, [caller], [caller] if writes else [])
+
+
+def release_buffers() -> None:
+    """Free the staging buffers (accelerator and pinned host memory: the groups' pools, the small calls' slots and
+    captured graphs) and unregister the host memory staging registered, after their last use has finished; buffers
+    that a call in another thread is using are freed when it is done with them. The next staged call makes new ones.
+    ``torch.distributed.destroy_process_group()`` (of every group) calls this while the shim is installed."""
+    _replay.forget()
+    _registration.unregister_all()
+    _staging.release_small_slots()
+    _groups.release()

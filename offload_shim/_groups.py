@@ -1,0 +1,319 @@
+"""What offload_shim keeps per process group: the ranks' agreement on the settings a staged call's wire depends on,
+and the staging buffers, streams and copy lanes reserved for the group's chunked calls.
+
+The agreement (:func:`agree`). A chunked call's chunks depend on ``chunk_bytes``, a routed call's backend on
+``route_min_bytes`` and ``always_stage``: settings that every rank must set alike, and that torch knows nothing of.
+So before the first call on a group whose wire depends on them (a chunkable collective staged, or any host call on
+a group with a CPU backend beside an accelerator's), each rank writes its settings (and whether it can stage, and
+route) to the group's own store and waits for every other rank's, up to the group's timeout; then every rank
+compares the same values and either goes on or raises the same :class:`StagingError`. Again whenever this rank's
+settings change. The ranks reach that call together (every rank issues the same collectives), so the agreement
+costs one store round trip and a wait for the slowest rank, once per group; a rank that never gets there (its
+peers pass accelerator tensors, or run without the shim) leaves the others waiting until the group's timeout, and
+then raising, before they send anything.
+
+The buffers (:func:`pool`). A chunked synchronous call takes a pool: two chunks of accelerator memory, two
+streams, and pinned bounce buffers for pageable memory, made before the call's first chunk. Pools belong to no
+group (making and destroying groups costs no memory): a call takes an idle one of its device, or makes one where
+every pool of its device is in use by another thread's call, and gives it back once its copies and collectives are
+queued; after the first calls no call allocates, and there are never more pools than calls staged at once. The
+copy lanes (:func:`lane`) are the group's: one thread each for host copies into and out of the bounce buffers, and
+one (``"done"``) that finishes the group's asynchronous chunked calls in the background, in the order they were made.
+A lane's copy may wait on the group's collectives, so one lane serves one group: nothing of one group's calls waits
+behind another group's (two threads pipelining on two groups in opposite orders on two ranks would otherwise block
+each other). :func:`forget` drops a group's agreement and lanes when the group is destroyed; :func:`release` frees
+the pools.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import threading
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from offload_shim import _config, _devices
+from offload_shim._staging import new_stream
+from offload_shim._devices import StagingError
+
+# Raised with the version of what the agreement compares: ranks of two offload_shim versions whose wires may differ
+# disagree, rather than send different collectives.
+WIRE_VERSION = 2
+SLOTS = 2  # chunks in flight on the accelerator in a synchronous chunked call
+
+
+@dataclasses.dataclass
+class _Agreement:
+    """What the ranks of a group agreed on, under this rank's ``settings`` (an object: compared by identity first)."""
+
+    settings: object = None
+    mine: tuple | None = None  # this rank's fingerprint then
+    route: bool = False  # every rank can route through the group's accelerator backend
+    unable: dict = dataclasses.field(default_factory=dict)  # group rank -> why it cannot stage
+    generation: int = 0  # agreements this process made on the group (every rank makes them at the same calls)
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.agreement = _Agreement()
+        self.lanes: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+_states: weakref.WeakKeyDictionary = globals().get("_states", weakref.WeakKeyDictionary())
+_states_lock = globals().get("_states_lock") or threading.Lock()
+
+
+def _state(group: dist.ProcessGroup) -> _State:
+    state = _states.get(group)
+    if state is None:
+        with _states_lock:
+            state = _states.get(group)
+            if state is None:
+                state = _states[group] = _State()
+    return state
+
+
+def _fingerprint(settings, unable: str | None, can_route: bool) -> tuple:
+    return (WIRE_VERSION, settings.chunk_bytes, settings.always_stage, settings.route_min_bytes,
+            settings.host_staging, unable, can_route)
+
+
+# What the agreement compares, by position in the fingerprint (unable and can_route are reported, not compared).
+_COMPARED = {
+    "offload_shim's wire version": 0,
+    f"chunk sizes ({_config.ENV_CHUNK_BYTES})": 1,
+    f"forced staging ({_config.ENV_ALWAYS_STAGE})": 2,
+    f"routing thresholds ({_config.ENV_ROUTE_MIN_BYTES})": 3,
+    f"host staging ({_config.ENV_HOST_STAGING})": 4,
+}
+
+
+def agree(group: dist.ProcessGroup, settings, unable: str | None, collective: str, can_route: bool = False):
+    """The ranks' agreement on ``group`` under this rank's ``settings`` (see the module docstring): made now if this
+    rank has made none under settings like these, else the one it made. ``unable``: why this rank cannot stage on
+    the group (``None``: it can); ``can_route``: whether it can route host tensors through the group's accelerator
+    backend. Returns the agreement: ``route`` (every rank can route) and ``unable`` (group rank to why it cannot
+    stage, for every rank that cannot).
+
+    Raises:
+        StagingError: the ranks' settings differ (the same message on every rank), or a rank did not reach its
+            agreement within the group's timeout; before anything of the call was sent.
+    """
+    state = _state(group)
+    agreement = state.agreement
+    if agreement.settings is settings and agreement.mine == _fingerprint(settings, unable, can_route):
+        return agreement
+    with state.lock:
+        mine = _fingerprint(settings, unable, can_route)
+        agreement = state.agreement
+        if agreement.mine != mine:
+            generation = agreement.generation + 1
+            try:
+                agreement = _exchange(group, generation, mine, unable, collective)
+            except BaseException:  # every rank raised at this generation: the next agreement takes the next one
+                state.agreement = _Agreement(generation=generation)
+                raise
+            state.agreement = agreement
+        agreement.settings = settings
+    return agreement
+
+
+def _exchange(group, generation: int, mine: tuple, unable: str | None, collective: str) -> _Agreement:
+    size = group.size()
+    if size == 1:
+        return _Agreement(mine=mine, route=mine[-1], unable={} if unable is None else {0: unable},
+                          generation=generation)
+    store = _devices.group_store(group)
+    if store is None:  # a group torch keeps no store for: nothing to compare through
+        return _Agreement(mine=mine, route=False, generation=generation)
+    keys = [f"offload_shim/agreement/{generation}/{rank}" for rank in range(size)]
+    store.set(keys[group.rank()], json.dumps({"fingerprint": mine, "unable": unable}))
+    timeout = _devices.group_timeout(group)
+    if not _wait_for(store, keys, timeout.total_seconds()):  # a rank never got here
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        raise StagingError(
+            f"offload_shim: process group {_devices.group_label(group)}: rank(s) {missing} of the group did not stage "
+            f"on it within the group's timeout ({timeout}), where this rank stages {collective} (its first staged "
+            f"call on the group, or the first since its settings changed). Every rank must stage the same calls: "
+            f"pass host tensors on every rank, and run offload_shim on every rank with the same settings. Nothing "
+            f"of the call was sent; the caller's tensors are unchanged."
+        )
+    values = [json.loads(value) for value in store.multi_get(keys)]
+    fingerprints = [tuple(value["fingerprint"]) for value in values]
+    differ = [what for what, at in _COMPARED.items() if len({f[at] for f in fingerprints}) > 1]
+    if differ:
+        by_rank = "; ".join(
+            f"rank {rank}: " + ", ".join(f"{what} {fingerprint[_COMPARED[what]]!r}" for what in differ)
+            for rank, fingerprint in enumerate(fingerprints)
+        )
+        raise StagingError(
+            f"offload_shim: the ranks of process group {_devices.group_label(group)} disagree on {', '.join(differ)} "
+            f"({by_rank}). A staged call's collectives depend on these settings: set them alike on every rank (the "
+            f"same environment, or the same offload_shim.configure() calls). No rank ran {collective}; the caller's "
+            f"tensors are unchanged."
+        )
+    return _Agreement(
+        mine=mine, route=all(f[-1] for f in fingerprints), generation=generation,
+        unable={rank: value["unable"] for rank, value in enumerate(values) if value["unable"] is not None},
+    )
+
+
+def _wait_for(store, keys: list[str], timeout: float) -> bool:
+    """Whether every key of ``keys`` is set in ``store`` within ``timeout`` seconds. By polling, not
+    ``store.wait``: a process's threads share one store client, and a wait holds it, so one thread waiting for its
+    group's agreement would keep another thread from writing its own (two threads agreeing on two groups, in
+    opposite orders on two ranks, would wait for each other for ever)."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-4
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    return True
+
+
+# ---------------------------------------------------------------- buffers
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of host memory for copies to and from ``device``: pinned where it is an accelerator."""
+    with torch.inference_mode(False):  # reusable by later calls, in inference mode or not
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
+
+
+class Pool:
+    """Staging buffers and streams for one chunked synchronous call at a time, on one device: ``SLOTS``
+    accelerator slots of ``slot_bytes``, an H2D and a D2H stream, and pinned bounce buffers (two per direction) for
+    pageable memory, made by :meth:`bounce` before the call's first chunk."""
+
+    def __init__(self, device: torch.device, slot_bytes: int, generation: int):
+        self.device = device
+        self.slot_bytes = slot_bytes
+        self.generation = generation
+        self.h2d, self.d2h = new_stream(device), new_stream(device)
+        with torch.inference_mode(False):  # reused by later calls, in inference mode or not
+            self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
+        self.slot_free: list = [None] * SLOTS
+        self._bounce: dict[str, list[torch.Tensor]] = {}
+        self.bounce_free: list = [None] * SLOTS  # events after the H2D copies out of the "in" bounce buffers
+
+    def bounce(self, direction: str) -> list[torch.Tensor]:
+        """The two bounce buffers of ``direction`` (``"in"``: pageable to accelerator, ``"out"``: back)."""
+        buffers = self._bounce.get(direction)
+        if buffers is None:
+            buffers = self._bounce[direction] = [host_buffer(self.slot_bytes, self.device) for _ in range(SLOTS)]
+        return buffers
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [*self.slots, *(t for pair in self._bounce.values() for t in pair)]
+
+    def synchronize(self) -> None:
+        """Wait until no copy or collective queued on the buffers is still running."""
+        self.h2d.synchronize()
+        self.d2h.synchronize()
+
+
+# Idle pools by staging device; kept across importlib.reload of this module.
+_idle: dict[str, list[Pool]] = globals().get("_idle", {})
+_busy: list[Pool] = globals().get("_busy", [])
+_pools_lock = globals().get("_pools_lock") or threading.Lock()
+_generation = globals().get("_generation", 0)  # pools of an older generation are freed, not reused (release())
+
+
+def pool(device: torch.device, slot_bytes: int) -> Pool:
+    """An idle pool of ``device`` with slots of ``slot_bytes``, or a new one (see the module docstring); pools made
+    for another size are freed once their last use has finished. Give it back with :func:`give_back` once the
+    call's copies and collectives are queued."""
+    stale = []
+    with _pools_lock:
+        idle = _idle.setdefault(str(device), [])
+        while idle:
+            found = idle.pop()
+            if found.slot_bytes == slot_bytes and found.generation == _generation:
+                break
+            stale.append(found)
+        else:
+            found = None
+    for old in stale:
+        old.synchronize()
+    found = found or Pool(device, slot_bytes, _generation)
+    with _pools_lock:
+        _busy.append(found)
+    return found
+
+
+def give_back(used: Pool) -> None:
+    with _pools_lock:
+        _busy.remove(used)
+        if used.generation == _generation:
+            _idle.setdefault(str(used.device), []).append(used)
+            return
+    used.synchronize()  # release() ran while this call used the pool: freed once its work is done
+
+
+def lane(group: dist.ProcessGroup, name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """The group's copy lane ``name`` (one thread, made at first use): ``"in"``, host copies into bounce buffers;
+    ``"out"``, out of them; ``"done"``, the completion of asynchronous chunked calls. Tasks of one lane run in the
+    order submitted; the lanes of two groups never wait for each other."""
+    state = _state(group)
+    with state.lock:
+        executor = state.lanes.get(name)
+        if executor is None:
+            executor = state.lanes[name] = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"offload_shim_{name}")
+    return executor
+
+
+def completion_lane(group: dist.ProcessGroup) -> concurrent.futures.ThreadPoolExecutor:
+    return lane(group, "done")
+
+
+def pooled_buffers() -> list[torch.Tensor]:
+    """Every staging buffer the pools hold now (for tests that count them and poison them between uses)."""
+    with _pools_lock:
+        return [buffer for each in (*_busy, *(p for idle in _idle.values() for p in idle)) for buffer in each.buffers()]
+
+
+def forget(group: dist.ProcessGroup | None = None) -> None:
+    """Drop what is kept for ``group`` (every group for ``None``): its agreement and its lanes (their threads end
+    once their tasks are done)."""
+    with _states_lock:
+        dropped = list(_states.values()) if group is None else [_states.pop(group, None)]
+        if group is None:
+            _states.clear()
+    for state in dropped:
+        if state is not None:
+            for executor in state.lanes.values():
+                executor.shutdown(wait=False)
+
+
+def release() -> None:
+    """Free the pools once their last use has finished (pools in use are freed when given back)."""
+    global _generation
+    with _pools_lock:
+        _generation += 1
+        pools = [each for idle in _idle.values() for each in idle]
+        _idle.clear()
+    for each in pools:
+        each.synchronize()
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's lane threads are not there (their executors would never run a copy), and its
+    agreements and pools were the parent's."""
+    _states.clear()
+    _idle.clear()
+    _busy.clear()
+
+
+if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+    _fork_hook_registered = True  # once per process, across importlib.reload

@@ -1,0 +1,358 @@
+"""The wrappers of the Python functions, made from the table (``_table``): every ``torch.distributed`` collective
+(:data:`_table.C10D`), ``batch_isend_irecv`` and ``P2POp``, ``destroy_process_group``, and the functional
+collectives' Python functions (:data:`_table.FUNCTIONAL`, for their accelerator inputs through the host).
+
+Each wrapper reads top to bottom: the served path (a call that needs no staging goes to torch after a few attribute
+reads), the call bound (``_plan.Call``), the one decision (``_plan.decide``), the one executor (``_execute.run``).
+The ``torch.ops`` collectives that compiled code, the functional collectives and DTensor run are staged by
+``_kernels``, the same way.
+
+A ``P2POp`` keeps torch's own ``isend`` or ``irecv``, even when given the shim's wrapper of it: torch's
+``batch_isend_irecv`` tells a send from a receive by identity with its module's ``isend``, so an operation holding a
+wrapper would be taken for a receive once :func:`offload_shim.uninstall` has bound torch's function back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+
+from offload_shim import _config, _counters, _devices, _execute, _groups, _plan, _replay, _staging, _table
+from offload_shim._patching import Parameters, Target, unwrap_ours
+
+C10D_MODULE = "torch.distributed.distributed_c10d"
+ALIASES = ("torch.distributed",)  # where the c10d functions are public under the same names
+
+_log = logging.getLogger("offload_shim")
+
+
+class _C10dCaller:
+    """torch's function with the caller's arguments, some tensors replaced (``call``), for the executor."""
+
+    __slots__ = ("wrapped", "parameters", "args", "kwargs", "at", "settings")
+
+    def __init__(self, wrapped, parameters, args, kwargs, at=0, settings=None):
+        self.wrapped, self.parameters, self.args, self.kwargs, self.at = wrapped, parameters, args, kwargs, at
+        self.settings = settings
+
+    def call(self, replaced: dict):
+        args, kwargs = self.args, self.kwargs
+        for name, value in replaced.items():
+            args, kwargs = self.parameters.replace(args, kwargs, name, value)
+        return self.wrapped(*args, **kwargs)
+
+    def replay_key(self) -> tuple:
+        return _replay.call_key(self.wrapped, self.args, self.kwargs, self.at)
+
+
+def _root(entry, parameters, args, kwargs, group) -> tuple[bool | None, int | None]:
+    """``(this rank is the root, the root's rank in the group)`` of a call with a root, given as a global rank
+    (``src``, ``dst``) or as ``group_src``/``group_dst``; ``(None, None)`` where the arguments do not say (torch will
+    raise)."""
+    if entry.root is None:
+        return None, None
+    group_rank = parameters.get(args, kwargs, f"group_{entry.root}")
+    if group_rank is not None:
+        return group.rank() == group_rank, group_rank
+    rank = parameters.get(args, kwargs, entry.root)
+    if rank is None:
+        return None, None
+    try:
+        return dist.get_rank() == rank, dist.get_group_rank(group, rank)
+    except Exception:  # not a rank of the group: torch raises its own error
+        return dist.get_rank() == rank, None
+
+
+def _bind(entry, parameters, args, kwargs, group) -> _plan.Call:
+    root, root_rank = _root(entry, parameters, args, kwargs, group)
+    return _plan.Call(
+        entry, _plan.C10D, group, {a.name: parameters.get(args, kwargs, a.name) for a in entry.args},
+        async_op=entry.name in ("isend", "irecv") or bool(parameters.get(args, kwargs, "async_op", False)),
+        root=root, root_rank=root_rank,
+        op=parameters.get(args, kwargs, "op", dist.ReduceOp.SUM) if entry.reduces else None,
+    )
+
+
+def _passing_through(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+
+
+def c10d_wrapper(entry: _table.Collective):
+    """The wrapper factory of a ``torch.distributed`` entry of the table."""
+    label = entry.label
+
+    def make(original):
+        parameters = Parameters(original)
+        missing = [name for name in (*(a.name for a in entry.args), "group") if name not in parameters]
+        if missing:  # a torch whose signature differs: leave the function alone rather than guess
+            _log.warning("offload_shim: %s has no parameter(s) %s in this torch; not staged", label, missing)
+            return _passing_through
+        group_at = parameters.position("group")
+        lazy = _devices.refused_for_host(label)  # accelerator tensors go to torch first (see _devices)
+
+        def stage(wrapped, args, kwargs, group, refused=None):
+            plan = _plan.decide(_bind(entry, parameters, args, kwargs, group))
+            if plan is None:
+                if refused is not None:
+                    raise refused
+                return wrapped(*args, **kwargs)
+            return _execute.run(plan, _C10dCaller(wrapped, parameters, args, kwargs))
+
+        if entry.wire == _table.ELEMENTWISE:  # one tensor, in place: the shortest served path
+            at = parameters.position(entry.args[0].name)
+
+            def in_place(wrapped, instance, args, kwargs):
+                # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
+                tensor = args[at] if len(args) > at else kwargs.get("tensor")
+                if not isinstance(tensor, torch.Tensor):
+                    return wrapped(*args, **kwargs)
+                if not tensor.is_cpu:  # an accelerator's tensor: through the host where the group has no backend
+                    result, refused = _devices.torch_first(wrapped, args, kwargs)  # torch refuses before any wire
+                    if refused is None:
+                        return result
+                    group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
+                    if group is None:
+                        raise refused
+                    return stage(wrapped, args, kwargs, group, refused)
+                group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
+                if group is None or _devices.host_calls_served(group):
+                    return wrapped(*args, **kwargs)
+                # A small call captured before, replayed without deciding again while what decided it holds (_replay).
+                if _replay._captures and _replay.replayed(tensor, group, label, wrapped, args, kwargs, at):
+                    return None
+                settings = _config.settings()  # read before the decision: what a capture's replay is decided under
+                plan = _plan.decide(_bind(entry, parameters, args, kwargs, group))
+                if plan is None:
+                    return wrapped(*args, **kwargs)
+                return _execute.run(plan, _C10dCaller(wrapped, parameters, args, kwargs, at, settings))
+
+            return in_place
+
+        positions = [(a.name, parameters.position(a.name)) for a in entry.args]
+
+        def wrapper(wrapped, instance, args, kwargs):
+            # Every call passes here: one pass over its tensor arguments decides most calls that need no staging.
+            host, kind = False, None
+            for name, at in positions:
+                value = args[at] if len(args) > at else kwargs.get(name)
+                if isinstance(value, torch.Tensor):
+                    if value.is_cpu:
+                        host = True
+                    elif kind is None:
+                        kind = value.device.type
+                elif isinstance(value, (list, tuple)):
+                    found_host, found_kind = _devices_of(value)
+                    host, kind = host or found_host, kind or found_kind
+            refused = None
+            if not host:
+                if kind is None:
+                    return wrapped(*args, **kwargs)
+                if lazy:  # accelerator tensors only, on a collective that needs the host only where torch refuses
+                    result, refused = _devices.torch_first(wrapped, args, kwargs)
+                    if refused is None:
+                        return result
+                elif not _config.settings().host_staging:
+                    return wrapped(*args, **kwargs)
+            group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
+            # Accelerator tensors through the host, where the group runs this collective on them only so.
+            through_host = kind is not None and group is not None and not _devices.accelerator_call_served(
+                group, kind, label)
+            served = group is None or host and _devices.host_calls_served(group)
+            if (served or not host) and not through_host:
+                if refused is not None:
+                    raise refused
+                return wrapped(*args, **kwargs)
+            return stage(wrapped, args, kwargs, group, refused)
+
+        return wrapper
+
+    return make
+
+
+def _devices_of(values) -> tuple[bool, str | None]:
+    """Whether ``values`` (tensors and lists of them, nested) hold a host tensor, and the device type of the first
+    tensor not on the host (``None`` if none)."""
+    host, kind = False, None
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.is_cpu:  # sparse ones too: refused clearly by the decision
+                host = True
+            elif kind is None:
+                kind = value.device.type
+        elif isinstance(value, (list, tuple)):
+            found_host, found_kind = _devices_of(value)
+            host, kind = host or found_host, kind or found_kind
+    return host, kind
+
+
+# ---------------------------------------------------------------- batch_isend_irecv and P2POp
+
+
+def _batch_wrapper(original):
+    entry = _table.BATCH
+
+    def wrapper(wrapped, instance, args, kwargs):
+        operations = args[0] if args else kwargs.get("p2p_op_list")
+        if not isinstance(operations, list) or not operations or not all(isinstance(o, dist.P2POp) for o in operations):
+            return wrapped(*args, **kwargs)  # torch raises its own error
+        operations = [_current(operation) for operation in operations]
+        tensors = [getattr(operation, "tensor", None) for operation in operations]
+        group = _devices.resolve_c10d_group(getattr(operations[0], "group", None))
+        if group is None or not any(isinstance(t, torch.Tensor) for t in tensors):
+            return wrapped(operations)
+        plan = _plan.decide(_plan.Call(entry, _plan.C10D, group, {"p2p_op_list": tensors}, async_op=True))
+        if plan is None:
+            return wrapped(operations)
+        for tensor in tensors:
+            error = _table.CONTIGUOUS_P2P(tensor)
+            if error is not None:
+                raise error
+        try:
+            return _staged_batch(wrapped, operations, plan.device, plan.source)
+        finally:
+            _counters.count(entry.label, _counters.WHOLE, plan.nbytes)
+
+    return wrapper
+
+
+def _staged_batch(wrapped, operations, device, source: str = "cpu"):
+    """``batch_isend_irecv(operations)`` with each operation's tensor on ``source`` staged through ``device``."""
+    staged = [_staging.StagedArguments(device, source) for _ in operations]
+    for operation, arguments in zip(operations, staged):
+        sends = operation.op is dist.distributed_c10d.isend
+        operation.tensor = arguments.stage(operation.tensor, reads=sends, writes=not sends)
+    with _staging.staged_call():
+        works = wrapped(operations)
+    if len(works) == len(operations):  # one work per operation (Gloo): each handle finishes its own receive
+        return [_staging.StagedWork([w], a.copy_back, a.callers()) for w, a in zip(works, staged)]
+
+    def copy_back():
+        for arguments in staged:
+            arguments.copy_back()
+
+    if not works:  # nothing to wait for
+        copy_back()
+        return works
+    # One work for the batch (NCCL coalesces it): one handle, at every position, that waits the batch once and
+    # copies every receive back.
+    return [_staging.StagedWork(works, copy_back, [t for a in staged for t in a.callers()])] * len(works)
+
+
+def _current(operation):
+    """A copy of P2POp ``operation`` whose ``op`` is torch's ``isend`` or ``irecv`` as bound now: torch tells sends
+    from receives by identity with its module's ``isend``, which install and uninstall rebind, so a P2POp made
+    before either would be taken for a receive. ``operation`` itself where its ``op`` is neither (torch decides)."""
+    kind = _kind(operation.op)
+    if kind is None:
+        return operation
+    copy = object.__new__(type(operation))
+    copy.__dict__.update(vars(operation))
+    copy.op = getattr(dist.distributed_c10d, kind)
+    return copy
+
+
+def _kind(op) -> str | None:
+    """``"isend"`` or ``"irecv"``: which of the two ``op`` is, whoever wrapped it (torch's decorators, the shim, a
+    user's patch with or without ``functools.wraps``): the two share a function on their ``__wrapped__`` chains."""
+    ops = _chain(op)
+    for kind in ("isend", "irecv"):
+        bound = _chain(getattr(dist.distributed_c10d, kind))
+        if any(a is b for a in ops for b in bound):
+            return kind
+    return None
+
+
+def _chain(function) -> list:
+    chain = []
+    while function is not None and not any(function is seen for seen in chain):
+        chain.append(function)
+        function = getattr(function, "__wrapped__", None)
+    return chain
+
+
+def _p2p_op_init_wrapper(original):
+    """``P2POp(op, ...)`` with ``op`` stripped of the shim's wrappers (see the module docstring)."""
+    parameters = Parameters(functools.partial(original, None))  # wrapt passes the instance apart from args
+
+    def wrapper(wrapped, instance, args, kwargs):
+        op = parameters.get(args, kwargs, "op")
+        args, kwargs = parameters.replace(args, kwargs, "op", unwrap_ours(op))
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- destroy_process_group
+
+
+def _releasing_buffers(original):
+    """``destroy_process_group(group)`` first drops what the shim keeps for the group (its captured small calls,
+    while its communicator still exists; its agreement, pools and lanes); of every group (``None``, or the default
+    group, as torch reads it), it also frees the staging buffers (:func:`offload_shim.release_buffers`): no staged
+    call can follow until a group is made again."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        group = args[0] if args else kwargs.get("group")
+        every = group is None or group is dist.group.WORLD  # torch destroys every group for both
+        _replay.forget(None if every else group)
+        result = wrapped(*args, **kwargs)
+        _groups.forget(None if every else group)
+        if every:
+            _execute.release_buffers()
+        return result
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- the functional collectives' Python functions
+
+
+def functional_wrapper(entry: _table.Collective):
+    """The wrapper factory of a functional collective's Python function: host inputs go to torch (the ops they call
+    are staged by ``_kernels``); accelerator inputs that the group serves only through the host, and the host inputs
+    of a list that mixes devices, are staged whole here."""
+    name = entry.args[0].name
+
+    def make(original):
+        parameters = Parameters(original)
+        lazy = _devices.refused_for_host(entry.label)  # accelerator inputs go to torch first (see _devices)
+
+        def wrapper(wrapped, instance, args, kwargs):
+            value = parameters.get(args, kwargs, name)
+            inputs = value if isinstance(value, (list, tuple)) else [value]
+            host = sum(1 for t in inputs if isinstance(t, torch.Tensor) and t.is_cpu)
+            if host == len(inputs):
+                return wrapped(*args, **kwargs)  # the op it calls decides (_kernels), eager or compiled alike
+            refused = None
+            if not host:
+                if lazy:  # accelerator inputs on a collective that needs the host only where torch refuses them
+                    result, refused = _devices.torch_first(wrapped, args, kwargs)
+                    if refused is None:
+                        return result
+                elif not _config.settings().host_staging:
+                    return wrapped(*args, **kwargs)
+            group = _devices.resolve_functional_group(
+                parameters.get(args, kwargs, "group"), parameters.get(args, kwargs, "tag", "")
+            )
+            plan = None if group is None else _plan.decide(_plan.Call(entry, _plan.FUNCTIONAL, group, {name: value}))
+            if plan is None:
+                if refused is not None:
+                    raise refused
+                return wrapped(*args, **kwargs)
+            return _execute.run(plan, _C10dCaller(wrapped, parameters, args, kwargs))
+
+        return wrapper
+
+    return make
+
+
+TARGETS = [
+    *(Target(C10D_MODULE, name, c10d_wrapper(entry), aliases=ALIASES) for name, entry in _table.C10D.items()),
+    Target(C10D_MODULE, "batch_isend_irecv", _batch_wrapper, aliases=ALIASES),
+    Target(C10D_MODULE, "__init__", _p2p_op_init_wrapper, owner="P2POp"),
+    Target(C10D_MODULE, "destroy_process_group", _releasing_buffers, aliases=ALIASES),
+    *(Target(_table.FUNCTIONAL_MODULE, name, functional_wrapper(entry)) for name, entry in _table.FUNCTIONAL.items()),
+]
