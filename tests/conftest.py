@@ -126,6 +126,7 @@ class ContractTally:
 
 
 _tally = ContractTally()
+_wire = {}  # world size -> [cases, collectives recorded] of tests/test_wire_cpu.py
 
 
 def pytest_runtest_logreport(report):
@@ -133,9 +134,20 @@ def pytest_runtest_logreport(report):
         for name, value in report.user_properties:
             if name == "contract_case":
                 _tally.add(*value)
+            elif name == "wire_case":
+                counts = _wire.setdefault(value[0], [0, 0])
+                counts[0] += 1
+                counts[1] += value[1]
 
 
 def pytest_terminal_summary(terminalreporter):
     if _tally.cases:
         for line in _tally.lines():
             terminalreporter.write_line(line)
+    if _wire:
+        cases = sum(c for c, _ in _wire.values())
+        by_ranks = ", ".join(f"{n} ranks: {c}" for n, (c, _) in sorted(_wire.items()))
+        recorded = sum(r for _, r in _wire.values())
+        terminalreporter.write_line(
+            f"wire cases run: {cases} ({by_ranks}); collectives recorded below the shim, the same on every rank: "
+            f"{recorded}")

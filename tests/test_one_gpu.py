@@ -119,17 +119,28 @@ def check_async_call_never_waits_for_peers(numel, pinned):
     if pinned:
         x, y = x.pin_memory(), y.pin_memory()
     offload_shim.install()
-    offload_shim.reset_staging_counters()
-    with configured(chunk_bytes=1 << 16):  # the synchronous call is pipelined: numel * 4 bytes is several chunks
+    with configured(chunk_bytes=1 << 16):  # both calls are pipelined: numel * 4 bytes is several chunks
+        for group in (a, b):  # the ranks' first staged call on each group, in one order: their agreement
+            dist.all_reduce(torch.ones(1), group=group)
+        offload_shim.reset_staging_counters()
         opposite_orders(x, y, a, b)
-    modes = sorted(key.mode for key in offload_shim.staging_counters())
-    assert modes == ["pipelined", "whole"], modes
+    counts = {key.mode: count.calls for key, count in offload_shim.staging_counters().items()}
+    assert counts == {"pipelined": 2}, counts  # asynchronous or not, the same chunks
     assert same_bits(x, expected[0]) and same_bits(y, expected[1])
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
 def test_async_call_never_waits_for_peers_one_gpu(shared_gpu_ranks, pinned):
     shared_gpu_ranks.run(check_async_call_never_waits_for_peers, 1 << 20, pinned)
+
+
+def test_two_threads_on_two_groups_in_opposite_orders_one_gpu(shared_gpu_ranks):
+    """Two threads of each rank pipeline pageable tensors on two groups in opposite orders, through the GPU: the
+    copy lanes' copies wait on real events there, which wait on the group's peers; the lanes of one group never
+    hold up another's."""
+    from test_ranks_choose_cpu import check_two_threads_two_groups_opposite_orders
+
+    shared_gpu_ranks.run(check_two_threads_two_groups_opposite_orders, False)
 
 
 # ---------------------------------------------------------------- accelerator tensors through the host

@@ -1,0 +1,266 @@
+"""Ranks that choose differently, one choice at a time, on Gloo ranks staging through the CPU: the cases that ended
+the job before the one plan (one rank async, the other not; one compiled, the other eager; ``full_tensor`` with and
+without ``grad_placements``), a chunk size set on one rank only, a rank that stages beside one that does not; an
+asynchronous call followed at once by another collective on its group; two threads on two groups in opposite
+orders. Each compares with torch's own call (Gloo, unstaged) and, where it says what went over the wire, with the
+collectives a recording backend saw (tests/recording.py)."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import offload_shim
+import recording
+from bitwise import same_bits
+from observe import configured
+from ranks import RankPool
+from test_staging_cpu import rank_input, staging_through_cpu
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    pool = RankPool(world_size=3, backend="gloo")
+    yield pool
+    pool.close()
+
+
+def _group(timeout_s: float = 60):
+    return dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _torch(call, tensor):
+    """``call(copy)`` of ``tensor`` by torch alone (Gloo serves the CPU): the copy afterwards."""
+    copy = tensor.clone()
+    with configured(always_stage=False):
+        call(copy)
+    return copy
+
+
+# ---------------------------------------------------------------- the rows of the table (chunks of 16 MiB, the default)
+
+
+def check_async_beside_sync():
+    """Row 1: a 32 MiB all_reduce, asynchronous on rank 0, synchronous on the other ranks."""
+    group = _group()
+    tensor = rank_input((8 * MiB,), torch.float32, seed=1)  # 32 MiB: two chunks
+    want = _torch(lambda t: dist.all_reduce(t, group=group), tensor)
+    with staging_through_cpu() as decisions:
+        if dist.get_rank() == 0:
+            work = dist.all_reduce(tensor, group=group, async_op=True)
+            assert work.wait() is True
+        else:
+            dist.all_reduce(tensor, group=group)
+    assert decisions == ["cpu"] and same_bits(tensor, want)
+
+
+def check_compiled_or_functional_beside_eager(other: str):
+    """Row 2: a 32 MiB all_reduce, compiled or functional on rank 0, eager ``dist.all_reduce`` on the others."""
+    group = _group()
+    tensor = rank_input((8 * MiB,), torch.float32, seed=2)
+    want = _torch(lambda t: dist.all_reduce(t, group=group), tensor)
+    with staging_through_cpu() as decisions:
+        if dist.get_rank() != 0:
+            dist.all_reduce(tensor, group=group)
+            got = tensor
+        elif other == "functional":
+            got = funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
+        else:
+            compiled = torch.compile(lambda t: funcol.all_reduce(t, "sum", group), backend="eager", fullgraph=True)
+            got = funcol.wait_tensor(compiled(tensor))
+    assert decisions == ["cpu"] and same_bits(got, want)
+
+
+def check_full_tensor_with_and_without_grad_placements():
+    """Row 3: an 8 MiB ``full_tensor()`` on rank 0, ``full_tensor(grad_placements=[Replicate()])`` on the others,
+    chunks of 1 MiB (8 chunks); and differentiable, as torch's."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(_group(), "cpu", mesh_dim_names=("row3",))
+    full = torch.randn(2 * MiB, generator=torch.Generator().manual_seed(3))  # 8 MiB, the same on every rank
+    sharded = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+    kwargs = {} if dist.get_rank() == 0 else {"grad_placements": [Replicate()]}
+    with staging_through_cpu(chunk_bytes=MiB) as decisions:
+        got = sharded.full_tensor(**kwargs)
+    assert decisions == ["cpu"] and same_bits(got.detach(), full)
+    got.sum().backward()
+    assert same_bits(sharded.grad.to_local(), torch.ones_like(sharded.to_local()))
+
+
+def test_row_1_async_beside_sync(gloo_ranks):
+    gloo_ranks.run(check_async_beside_sync)
+
+
+@pytest.mark.parametrize("other", ["functional", "compiled"])
+def test_row_2_compiled_or_functional_beside_eager(gloo_ranks, other):
+    gloo_ranks.run(check_compiled_or_functional_beside_eager, other)
+
+
+def test_row_3_full_tensor_with_and_without_grad_placements(gloo_ranks):
+    gloo_ranks.run(check_full_tensor_with_and_without_grad_placements)
+
+
+def check_chunk_size_on_one_rank():
+    """Row 4: a chunk size of 1 MiB on rank 0, the default on the others, at their first staged call on a group:
+    the same clear error on every rank, before anything is sent; returns the error and how long it took."""
+    group = _group(timeout_s=120)
+    tensor = rank_input((8 * MiB,), torch.float32, seed=4)
+    before = tensor.clone()
+    settings = {"chunk_bytes": MiB} if dist.get_rank() == 0 else {}
+    start = time.monotonic()
+    with staging_through_cpu(**settings), pytest.raises(offload_shim.StagingError) as raised:
+        dist.all_reduce(tensor, group=group)
+    assert same_bits(tensor, before)
+    return str(raised.value), time.monotonic() - start
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_row_4_chunk_size_on_one_rank(gloo_ranks, three_ranks, world):
+    results = (gloo_ranks if world == 2 else three_ranks).run(check_chunk_size_on_one_rank)
+    messages = {message for message, _ in results}
+    assert len(messages) == 1, messages  # the same error on every rank
+    (message,) = messages
+    assert "disagree on chunk sizes (OFFLOAD_SHIM_CHUNK_BYTES)" in message and "rank 0: chunk sizes" in message
+    # Within seconds: the ranks meet at their agreement, far inside the group's timeout of two minutes.
+    assert all(seconds < 60 for _, seconds in results), results
+
+
+# Row 5: one rank stages, its peer does not. Each rank prints what it ended with; a result only where it is torch's.
+ROW_5 = """
+import datetime, os, sys, torch, torch.distributed as dist
+import offload_shim
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+rank = dist.get_rank()
+group = dist.new_group(timeout=datetime.timedelta(seconds=8))
+offload_shim.configure(staging_device="cpu", chunk_bytes=1 << 20)
+def values():
+    return torch.arange(1 << 20, dtype=torch.float32) + rank  # 4 MiB: four chunks where staged
+want = sum(torch.arange(1 << 20, dtype=torch.float32) + r for r in range(2))
+if sys.argv[1] == "later":  # both stage a first call on the group (their agreement), then rank 0 alone stages
+    offload_shim.configure(always_stage=True)
+    dist.all_reduce(torch.ones(4), group=group)
+offload_shim.configure(always_stage=rank == 0)
+tensor = values()
+try:
+    dist.all_reduce(tensor, group=group)
+except Exception as error:
+    print(f"rank {rank}: raised {type(error).__name__}: {str(error)[:200]}", flush=True)
+    os._exit(0)
+print(f"rank {rank}: " + ("torch's result" if torch.equal(tensor, want) else "a WRONG result"), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("when", ["first", "later"])
+def test_row_5_one_rank_stages_beside_one_that_does_not(tmp_path, when):
+    """Row 5, outside the contract (docs/reference.md): rank 0 stages its all_reduce in chunks, rank 1 hands the
+    same call to torch. No rank ends with a wrong result: at the group's first staged call, rank 0 waits for rank
+    1's agreement until the group's timeout and raises; later, Gloo refuses the collectives that do not match."""
+    script = tmp_path / "row5.py"
+    script.write_text(textwrap.dedent(ROW_5))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), when],
+        capture_output=True, text=True, timeout=240,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert "WRONG" not in done.stdout, done.stdout + done.stderr
+    assert not any(line.endswith("torch's result") for line in lines if line.startswith("rank 0")), lines
+    if when == "first":
+        assert any("rank 0: raised StagingError" in line and "did not stage on it" in line for line in lines), lines
+
+
+# ---------------------------------------------------------------- an async call, then at once another collective
+
+
+def check_async_then_another_collective():
+    """An asynchronous chunked all_reduce, and at once a synchronous broadcast and a small all_reduce on the same
+    group, before the first is waited: every rank's collectives reach the backend in the order the program made
+    them (recorded below the shim), and every result is torch's."""
+    group = recording.new_group()
+    rank = group.rank()
+    first = rank_input((1000,), torch.int32, seed=5).float()  # small integers: exact sums in any order
+    second = rank_input((300,), torch.float64, seed=6)
+    third = rank_input((3,), torch.int64, seed=7)
+    want = [_torch(lambda t: dist.all_reduce(t, group=group), first),
+            _torch(lambda t: dist.broadcast(t, group_src=1, group=group), second),
+            _torch(lambda t: dist.all_reduce(t, group=group), third)]
+    recording.take(group)
+    with staging_through_cpu(chunk_bytes=256):
+        work = dist.all_reduce(first, group=group, async_op=True)
+        dist.broadcast(second, group_src=1, group=group)
+        dist.all_reduce(third, group=group)
+        work.wait()
+    assert same_bits(first, want[0]) and same_bits(second, want[1]) and same_bits(third, want[2])
+    records = recording.take(group)
+    # The first call's agreement and 16 chunks of 64 float32, the second's agreement and 10 chunks of 256 bytes
+    # (2400 bytes: a broadcast moves bytes), then the third, whole.
+    agreement = ("allreduce", (8,), "torch.int64", "RedOpType.MAX")
+    expected = [agreement, *[("allreduce", (64,), "torch.float32", "RedOpType.SUM")] * 15,
+                ("allreduce", (40,), "torch.float32", "RedOpType.SUM"),
+                agreement, *[("broadcast", (256,), 1)] * 9, ("broadcast", (96,), 1),
+                ("allreduce", (3,), "torch.int64", "RedOpType.SUM")]
+    assert records == expected, records
+    dist.destroy_process_group(group)
+    return records
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_async_call_keeps_its_place_in_the_groups_order(gloo_ranks, three_ranks, world):
+    (gloo_ranks if world == 2 else three_ranks).run(check_async_then_another_collective)
+
+
+# ---------------------------------------------------------------- two threads, two groups, opposite orders
+
+
+def check_two_threads_two_groups_opposite_orders(through_cpu: bool = True):
+    """Two threads of each rank pipeline pageable tensors (64 MiB and 4 bytes, in chunks of 32 MiB: host copies on
+    the group's copy lanes, each split over the copy threads) on two groups; rank 0 starts on group A and rank 1 on
+    group B, the other thread following once the first is under way: both complete. (Through the CPU a copy lane's
+    copy never waits for a peer, its events being complete at once: what a lane shared by two groups would block on
+    shows on an accelerator, tests/test_one_gpu.py's test of the same through ``cuda:gloo``.)"""
+    groups = [_group(), _group()]
+    errors, results = [], {}
+    chunk = 32 * MiB
+    offload_shim.install()
+    with staging_through_cpu(chunk_bytes=chunk) if through_cpu else configured(chunk_bytes=chunk):
+        for group in groups:  # the ranks' first staged call on each group, in one order: their agreement
+            dist.all_reduce(torch.ones(1), group=group)
+
+        def worker(index):
+            try:
+                for step in range(2):
+                    tensor = torch.full((16 * MiB + 1,), float(dist.get_rank() + index + step))
+                    dist.all_reduce(tensor, group=groups[index])
+                    results[index, step] = bool((tensor == 2 * (index + step) + 1).all())
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        order = [0, 1] if dist.get_rank() == 0 else [1, 0]
+        threads = [threading.Thread(target=worker, args=(index,)) for index in order]
+        threads[0].start()
+        time.sleep(0.2)
+        threads[1].start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "the threads blocked each other"
+    assert not errors and len(results) == 4 and all(results.values()), (errors, results)
+    from offload_shim import _staging
+
+    return _staging.copy_threads(), bool(_staging._copy_pool)
+
+
+def test_two_threads_on_two_groups_in_opposite_orders(gloo_ranks):
+    for threads, split in gloo_ranks.run(check_two_threads_two_groups_opposite_orders):
+        assert split == (threads > 1), (threads, split)  # the copy threads were in use wherever there are two CPUs
