@@ -19,6 +19,8 @@ Sections (``kind`` of each JSON record):
 * ``pageable``: all_reduce of 256 MiB pageable fp32 (bounce buffers, the runtime's staged copy, pinned, a pageable
   tensor registered at its second call with ``register_bytes`` set, staging by hand) against the floor and the
   pageable limit; and how soon ``async_op=True`` returns.
+* ``async``: a 256 MiB all_reduce with ``async_op=True``, pinned and pageable: when the call returns and when it
+  completes, against the synchronous call and the input's staging time (a synchronous broadcast from this rank alone).
 * ``full_tensor``: an FSDP2-offloaded 512 MiB weight (and one with uneven shards): Gloo, staging by hand,
   offload_shim, GPU-resident; peak extra accelerator memory in chunks.
 * ``weight_sync``: an RL weight sync of a 4 GiB bf16 FSDP2-offloaded model (every parameter: ``full_tensor()``,
@@ -44,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import offload_shim
-from offload_shim import _config, _pipeline
+from offload_shim import _config, _execute, _staging
 
 MiB = 1 << 20
 
@@ -113,7 +115,7 @@ def _streams(bench):
 
 
 def _on(stream):
-    return _pipeline._current(stream if stream is not None else _pipeline._NoStream())
+    return _staging.current(stream if stream is not None else _staging.NoStream())
 
 
 def copy_routes(bench, nbytes: int) -> dict:
@@ -142,14 +144,14 @@ def copy_routes(bench, nbytes: int) -> dict:
         only_d2h()
 
     def host_copies():
-        _pipeline._host_copies([(bounce_in, pageable_in), (pageable_out, bounce_out)])
+        _staging.host_copies([(bounce_in, pageable_in), (pageable_out, bounce_out)])
 
     def pageable_limit():
         duplex()
         host_copies()
 
     def host_copy_in():
-        _pipeline._host_copies([(bounce_in, pageable_in)])
+        _staging.host_copies([(bounce_in, pageable_in)])
 
     return {"h2d": only_h2d, "d2h": only_d2h, "duplex": duplex, "host_copy_in": host_copy_in,
             "host_copies": host_copies, "pageable_limit": pageable_limit}
@@ -159,7 +161,7 @@ def copy_limits(bench, routes: dict, nbytes: int) -> dict:
     times = bench.compare({name: (False, fn) for name, fn in routes.items()}, 8)
     # Host memory traffic, in bytes read plus bytes written: a DMA reads or writes each byte once; a host copy
     # reads it and writes it.
-    result = {"bytes": nbytes, "copy_threads": _pipeline.copy_threads(),
+    result = {"bytes": nbytes, "copy_threads": _staging.copy_threads(),
               "h2d_GBps": nbytes / times["h2d"] / 1e9, "d2h_GBps": nbytes / times["d2h"] / 1e9,
               "host_traffic_duplex_GBps": 2 * nbytes / times["duplex"] / 1e9,
               "host_traffic_copy_GBps": 2 * nbytes / times["host_copy_in"] / 1e9,
@@ -257,14 +259,14 @@ def pageable(bench, nbytes: int, limits: dict, floor_bandwidth: float, limit) ->
 
     def with_path(path):
         def run():
-            _pipeline.PAGEABLE_PATH = path
+            _execute.PAGEABLE_PATH = path
             try:
                 dist.all_reduce(t, group=nccl)
             finally:
-                _pipeline.PAGEABLE_PATH = default
+                _execute.PAGEABLE_PATH = default
         return run
 
-    default = _pipeline.PAGEABLE_PATH
+    default = _execute.PAGEABLE_PATH
 
     def hand():
         staged = t.to(bench.device)
@@ -308,6 +310,62 @@ def pageable(bench, nbytes: int, limits: dict, floor_bandwidth: float, limit) ->
                  registered_is_pinned=registered_pinned, **{f"{k}_seconds": v for k, v in times.items()})
 
 
+def asynchronous(bench, nbytes: int) -> None:
+    """A 256 MiB all_reduce with ``async_op=True``, pinned and pageable: how soon the call returns and how soon
+    its ``wait()`` returns when called at once, against the synchronous call and the input's staging time (a
+    synchronous broadcast of the same tensor from this rank on a group of this rank alone: every chunk's H2D, no
+    D2H), in alternating rounds, each side's minimum. The same chunks go over the wire, asynchronous or not."""
+    nccl = bench.groups["nccl"]
+    alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][bench.rank]  # (every rank makes all)
+    for pinned in (True, False):
+        t = host_tensor(nbytes // 4, torch.float32, pinned and bench.device.type != "cpu")
+        best = {"sync": float("inf"), "input_staging": float("inf"), "async_returned": float("inf"),
+                "async_completed": float("inf")}
+
+        def timed(fn):
+            dist.barrier(group=nccl)
+            bench.sync()
+            start = time.perf_counter()
+            fn()
+            bench.sync()
+            return time.perf_counter() - start
+
+        def asynchronous_call():
+            start = time.perf_counter()
+            work = dist.all_reduce(t, group=nccl, async_op=True)
+            returned = time.perf_counter() - start
+            work.wait()
+            return returned
+
+        steps = [
+            ("sync", lambda: dist.all_reduce(t, group=nccl)),
+            ("input_staging", lambda: dist.broadcast(t, group_src=0, group=alone)),
+            ("async", None),
+        ]
+        rounds = max(bench.rounds(nbytes), 5)
+        for round_ in range(rounds + 1):
+            for name, fn in steps if round_ % 2 else steps[::-1]:
+                if fn is None:
+                    dist.barrier(group=nccl)
+                    bench.sync()
+                    start = time.perf_counter()
+                    returned = asynchronous_call()
+                    bench.sync()
+                    completed = time.perf_counter() - start
+                    if round_:
+                        best["async_returned"] = min(best["async_returned"], returned)
+                        best["async_completed"] = min(best["async_completed"], completed)
+                    continue
+                seconds = timed(fn)
+                if round_:
+                    best[name] = min(best[name], seconds)
+        times = {name: bench.slowest(value) for name, value in best.items()}
+        bench.record(kind="async", op="all_reduce", bytes=nbytes, pinned=pinned, rounds=rounds,
+                     **{f"{k}_seconds": v for k, v in times.items()},
+                     completed_over_sync=times["async_completed"] / times["sync"],
+                     returned_over_input_staging=times["async_returned"] / times["input_staging"])
+
+
 def _offload_policy(mesh):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -332,7 +390,7 @@ def peak_extra_memory(bench, fn) -> int:
     if bench.device.type == "cpu":
         fn()
         return 0
-    _pipeline.release_buffers()
+    offload_shim.release_buffers()
     bench.sync()
     torch.cuda.reset_peak_memory_stats(bench.device)
     before = torch.cuda.memory_allocated(bench.device)
@@ -473,8 +531,8 @@ def main():
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)",
         "world_size": dist.get_world_size(),
         "chunk_bytes_default": chunk_default,
-        "pageable_path_default": _pipeline.PAGEABLE_PATH,
-        "copy_threads": _pipeline.copy_threads(),
+        "pageable_path_default": _execute.PAGEABLE_PATH,
+        "copy_threads": _staging.copy_threads(),
         "commit": os.environ.get("BENCH_COMMIT"),
     }
     big = 4 * MiB if args.smoke else 256 * MiB
@@ -488,6 +546,8 @@ def main():
         served_path(bench)
     if wanted("pageable"):
         pageable(bench, big, limits, floor_bandwidth, routes["pageable_limit"])
+    if wanted("async"):
+        asynchronous(bench, big)
     if wanted("full_tensor"):
         offload_shim.configure(route_min_bytes=_config.DEFAULT_ROUTE_MIN_BYTES)
         full_tensor(bench, floor_bandwidth)

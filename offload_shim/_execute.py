@@ -492,9 +492,10 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
 
     def complete() -> None:
         with torch.no_grad(), _staging.writable(dest):
-            with _staging.current(d2h):
+            with _staging.current(d2h):  # the agreement's result read on the stream that waited for it
                 works[0].wait()
-            _check_agreement(group, agreement.tolist(), chunks, call.entry.label)
+                values = agreement.tolist()
+            _check_agreement(group, values, chunks, call.entry.label)
             pending = None  # (event, pairs) of the previous chunk's copy out of its bounce buffer
             for index in range(chunks.count):
                 slot = memory[offsets[index] : offsets[index] + sizes[index]]

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The staging benchmark of two trees alternated on one machine (A, B, A, B), each run from its own tree through
+# PYTHONPATH, with nothing installed (an editable install's finder comes before PYTHONPATH, so an installed tree
+# would run on both sides); each run's log says which package it imported.
+#   bash benchmarks/ab_staging.sh OTHER_TREE OUTDIR [SECTIONS]   # OTHER_TREE: e.g. git archive of an older commit
+set -u -o pipefail
+other=$(cd "$1" && pwd)
+out=$2
+sections=${3:-copy_limits,small,pageable,duplex}
+here=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+for round in 1 2; do
+  for side in other this; do
+    tree=$here
+    [ "$side" = other ] && tree=$other
+    (
+      cd "$tree" || exit 1
+      export PYTHONPATH="$tree" PYTHONUNBUFFERED=1 BENCH_COMMIT="$side"
+      python3 -c 'import offload_shim; print("imports", offload_shim.__file__)'
+      torchrun --nproc_per_node 1 benchmarks/bench_staging.py --quick --only "$sections" --out "$out/$side$round"
+    ) >> "$out/ab.log" 2>&1
+  done
+done
