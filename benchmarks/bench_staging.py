@@ -20,7 +20,8 @@ Sections (``kind`` of each JSON record):
   tensor registered at its second call with ``register_bytes`` set, staging by hand) against the floor and the
   pageable limit; and how soon ``async_op=True`` returns.
 * ``async``: a 256 MiB all_reduce with ``async_op=True``, pinned and pageable: when the call returns and when it
-  completes, against the synchronous call and the input's staging time (a synchronous broadcast from this rank alone).
+  completes, against the synchronous call and the input's staging time (the synchronous call's: when it issues its
+  last chunk's collective; and a synchronous broadcast from this rank alone).
 * ``full_tensor``: an FSDP2-offloaded 512 MiB weight (and one with uneven shards): Gloo, staging by hand,
   offload_shim, GPU-resident; peak extra accelerator memory in chunks.
 * ``weight_sync``: an RL weight sync of a 4 GiB bf16 FSDP2-offloaded model (every parameter: ``full_tensor()``,
@@ -311,59 +312,65 @@ def pageable(bench, nbytes: int, limits: dict, floor_bandwidth: float, limit) ->
 
 
 def asynchronous(bench, nbytes: int) -> None:
-    """A 256 MiB all_reduce with ``async_op=True``, pinned and pageable: how soon the call returns and how soon
-    its ``wait()`` returns when called at once, against the synchronous call and the input's staging time (a
-    synchronous broadcast of the same tensor from this rank on a group of this rank alone: every chunk's H2D, no
-    D2H), in alternating rounds, each side's minimum. The same chunks go over the wire, asynchronous or not."""
+    """A 256 MiB all_reduce with ``async_op=True``, pinned and pageable: how soon the call returns and how soon its
+    ``wait()`` returns when called at once, against the synchronous call, in alternating rounds, each side's minimum.
+    The input's staging time is the synchronous call's own: the time at which it issues its last chunk's collective
+    (every byte of the input copied, its DMA queued; from the process group's method, timed); beside it, a
+    synchronous broadcast of the tensor from this rank on a group of this rank alone (every chunk's H2D, no D2H).
+    The same chunks go over the wire, asynchronous or not."""
     nccl = bench.groups["nccl"]
     alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][bench.rank]  # (every rank makes all)
+    original, saved = dist.ProcessGroup.allreduce, vars(dist.ProcessGroup)["allreduce"]  # (restored as it was)
+    issued = []
+
+    def timed(group, *args):
+        issued.append(time.perf_counter())
+        return original(group, *args)
+
     for pinned in (True, False):
         t = host_tensor(nbytes // 4, torch.float32, pinned and bench.device.type != "cpu")
-        best = {"sync": float("inf"), "input_staging": float("inf"), "async_returned": float("inf"),
-                "async_completed": float("inf")}
+        best = {name: float("inf") for name in ("sync", "sync_input", "input_staging_broadcast", "async_returned",
+                                                 "async_completed")}
 
-        def timed(fn):
-            dist.barrier(group=nccl)
-            bench.sync()
-            start = time.perf_counter()
-            fn()
-            bench.sync()
-            return time.perf_counter() - start
+        def sync_call():
+            issued.clear()
+            dist.ProcessGroup.allreduce = timed
+            try:
+                start = time.perf_counter()
+                dist.all_reduce(t, group=nccl)
+            finally:
+                dist.ProcessGroup.allreduce = saved
+            return {"sync_input": issued[-1] - start}
 
-        def asynchronous_call():
+        def broadcast_call():
+            dist.broadcast(t, group_src=0, group=alone)
+            return {}
+
+        def async_call():
             start = time.perf_counter()
             work = dist.all_reduce(t, group=nccl, async_op=True)
             returned = time.perf_counter() - start
             work.wait()
-            return returned
+            return {"async_returned": returned}
 
-        steps = [
-            ("sync", lambda: dist.all_reduce(t, group=nccl)),
-            ("input_staging", lambda: dist.broadcast(t, group_src=0, group=alone)),
-            ("async", None),
-        ]
+        steps = [("sync", sync_call), ("input_staging_broadcast", broadcast_call), ("async_completed", async_call)]
         rounds = max(bench.rounds(nbytes), 5)
         for round_ in range(rounds + 1):
             for name, fn in steps if round_ % 2 else steps[::-1]:
-                if fn is None:
-                    dist.barrier(group=nccl)
-                    bench.sync()
-                    start = time.perf_counter()
-                    returned = asynchronous_call()
-                    bench.sync()
-                    completed = time.perf_counter() - start
-                    if round_:
-                        best["async_returned"] = min(best["async_returned"], returned)
-                        best["async_completed"] = min(best["async_completed"], completed)
-                    continue
-                seconds = timed(fn)
+                dist.barrier(group=nccl)
+                bench.sync()
+                start = time.perf_counter()
+                parts = fn()
+                bench.sync()
                 if round_:
-                    best[name] = min(best[name], seconds)
+                    parts[name] = time.perf_counter() - start
+                    for key, value in parts.items():
+                        best[key] = min(best[key], value)
         times = {name: bench.slowest(value) for name, value in best.items()}
         bench.record(kind="async", op="all_reduce", bytes=nbytes, pinned=pinned, rounds=rounds,
                      **{f"{k}_seconds": v for k, v in times.items()},
                      completed_over_sync=times["async_completed"] / times["sync"],
-                     returned_over_input_staging=times["async_returned"] / times["input_staging"])
+                     returned_over_sync_input=times["async_returned"] / times["sync_input"])
 
 
 def _offload_policy(mesh):

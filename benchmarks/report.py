@@ -68,17 +68,19 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, str]]:
     for r in records:
         if r["kind"] == "async":
             sync, returned, completed = r["sync_seconds"], r["async_returned_seconds"], r["async_completed_seconds"]
-            staging = r["input_staging_seconds"]
+            staging = r["sync_input_seconds"]
             memory = "pinned" if r["pinned"] else "pageable"
+            references = (f"the sync call {ms(sync)} ms, its input staged at {ms(staging)} ms; a sync broadcast from "
+                          f"this rank alone {ms(r['input_staging_broadcast_seconds'])} ms")
             if r["pinned"]:
                 rows.append((f"async all_reduce {human(r['bytes'])}, pinned: returns in <= 1 ms", f"{ms(returned)} ms",
-                             f"input staging {ms(staging)} ms, sync call {ms(sync)} ms", "yes" if returned <= 1e-3 else "no"))
+                             references, "yes" if returned <= 1e-3 else "no"))
             else:
-                rows.append((f"async all_reduce {human(r['bytes'])}, pageable: returns no later than its input's staging",
-                             f"{ms(returned)} ms = {returned / staging:.2f}x", f"input staging {ms(staging)} ms (a sync "
-                             f"broadcast from this rank alone), sync call {ms(sync)} ms", "yes" if returned <= staging else "no"))
+                rows.append((f"async all_reduce {human(r['bytes'])}, pageable: returns no later than the sync call has "
+                             f"its input staged", f"{ms(returned)} ms = {returned / staging:.2f}x", references,
+                             "yes" if returned <= staging else "no"))
             rows.append((f"async all_reduce {human(r['bytes'])}, {memory}: completes in <= 1.1x the sync call",
-                         f"{ms(completed)} ms = {completed / sync:.2f}x", f"sync call {ms(sync)} ms",
+                         f"{ms(completed)} ms = {completed / sync:.2f}x", references,
                          "yes" if completed <= 1.1 * sync else "no"))
     r = _first(records, "full_tensor", shards="even")
     if r:

@@ -21,8 +21,8 @@ place in the group's order, and a task on the group's completion lane waits for 
 into the caller's tensor and ends the handle's wait. Pageable host memory goes through two pinned bounce buffers per
 direction: host copies into them on the group's ``in`` lane, out of them on its ``out`` lane (or on the completion
 lane), beside the DMA. A pinned (or registered) tensor is copied to and from directly. Chunk collectives are
-``torch.distributed``'s own functions (``all_reduce``, ``broadcast``, ``reduce``, ``all_gather_single``) on the
-chunks, whatever the entry point: the same collectives for an eager, functional or compiled call.
+the group's own methods of torch's collectives (``allreduce``, ``broadcast``, ``reduce``, ``all_gather_single``)
+with torch's options, whatever the entry point: the same collectives for an eager, functional or compiled call.
 
 Staging memory a call needs is obtained before anything is sent, so a rank that cannot get it raises before the
 wire, as a rank that raises in torch does.
@@ -34,8 +34,9 @@ import logging
 
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as _c10d
 
-from offload_shim import _counters, _groups, _registration, _replay, _staging
+from offload_shim import _counters, _devices, _groups, _registration, _replay, _staging
 from offload_shim._devices import StagingError, group_label
 from offload_shim._plan import C10D, Chunks, Plan
 from offload_shim._table import BOTH, ELEMENTWISE, NONE, READ, WRITE
@@ -46,9 +47,9 @@ _log = logging.getLogger("offload_shim")
 # results/gpu/2026-12-01-two-h200-gpu-tests-and-benchmark/bench.log): with pageable memory, bounce buffers with
 # threaded host copies beat the runtime's own staged copy (49.7 against 55.5 ms for 256 MiB).
 PAGEABLE_PATH = "bounce"  # or "driver": the runtime's own (synchronous) staged copy of the pageable chunk
-# torch's gather of each rank's part into one tensor, by its current name: ``all_gather_single`` (2.13); 2.11 has
-# only ``all_gather_into_tensor``, which 2.13 deprecates with a warning torch's own calls never give.
-GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+# The process group's method that gathers each rank's part into one tensor, by its current name: torch 2.13's
+# ``all_gather_single``; 2.11 has only ``_allgather_base``.
+GATHER_METHOD = "all_gather_single" if hasattr(dist.ProcessGroup, "all_gather_single") else "_allgather_base"
 
 
 def run(plan: Plan, caller):
@@ -260,27 +261,37 @@ def reduce_op(op):
 
 def _launcher(chunks: Chunks, call):
     """``launch(index, slot) -> work``: chunk ``index``'s collective, asynchronous, on ``slot`` (the bytes of the
-    accelerator memory the chunk uses), through ``torch.distributed``'s own function of the chunks' kind."""
+    accelerator memory the chunk uses): the group's own method of the chunks' kind with the options torch's
+    ``torch.distributed`` function of that kind gives it (``all_reduce``'s ``AllreduceOptions``, ...), as that
+    function calls it once it has checked its arguments: the same collective whatever the entry point, without a
+    Python function of torch's around each chunk (they cost tens of microseconds a call)."""
     group, kind = call.group, chunks.kind
     if kind == "all_gather":
-        gather, world, rank = getattr(dist, GATHER), chunks.world, group.rank()
+        gather, world, rank = getattr(type(group), GATHER_METHOD), chunks.world, group.rank()
+        options = _c10d.AllgatherOptions()
+        options.asyncOp = True
 
         def launch(index: int, slot: torch.Tensor):
             count = _count(chunks, index)
-            return gather(slot[: world * count], slot[rank * count : (rank + 1) * count], group=group, async_op=True)
+            return gather(group, slot[: world * count], slot[rank * count : (rank + 1) * count], options)
 
         return launch
-    function = getattr(dist, kind)  # torch.distributed's all_reduce, broadcast or reduce
     if kind == "all_reduce":
-        options = {"op": call.op}
+        method, options = type(group).allreduce, _c10d.AllreduceOptions()
+        options.reduceOp = call.op
     elif kind == "broadcast":
-        options = {"group_src": call.root_rank}
+        method, options = type(group).broadcast, _c10d.BroadcastOptions()
+        options.rootRank, options.rootTensor = call.root_rank, 0
     else:
-        options = {"group_dst": call.root_rank, "op": call.op}
+        method, options = type(group).reduce, _c10d.ReduceOptions()
+        options.reduceOp, options.rootRank = call.op, call.root_rank
+    options.asyncOp = True
+    dtype = chunks.dtype
+    complex_ = dtype.is_complex  # reduced as real pairs, as torch's all_reduce and reduce do
 
     def launch(index: int, slot: torch.Tensor):
-        typed = slot[: _count(chunks, index)].view(chunks.dtype)
-        return function(typed, group=group, async_op=True, **options)
+        typed = slot[: _count(chunks, index)].view(dtype)
+        return method(group, [torch.view_as_real(typed) if complex_ else typed], options)
 
     return launch
 
@@ -314,9 +325,9 @@ def _agreement(chunks: Chunks, device) -> torch.Tensor:
 
 
 def _launch_agreement(group, tensor: torch.Tensor):
-    options = dist.AllreduceOptions()
+    options = _c10d.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
-    return group.allreduce([tensor], options)
+    return type(group).allreduce(group, [tensor], options)  # (looked up as the chunks' launches are)
 
 
 def _check_agreement(group, values: list[int], chunks: Chunks, collective: str) -> None:
@@ -441,11 +452,29 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
     done.synchronize()
 
 
+def _stream_ordered(group, device) -> bool:
+    """Whether the backend that runs the group's collectives on ``device`` orders them on the device's streams
+    (a work handle's ``wait()`` makes the current stream wait, and returns at once): a backend that serves that
+    accelerator only (NCCL, HCCL, XCCL), as torch records its backends (``Backend.backend_capability``). One that
+    also serves the host (Gloo, MPI, UCC) runs them from the host, and its ``wait()`` blocks."""
+    if device.type == "cpu":
+        return False
+    name = _devices.backend_for(group, device.type)
+    return "cpu" not in dist.Backend.backend_capability.get(name or "", ("cpu",))
+
+
 def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back_out):
-    """Issue every chunk of an asynchronous call and return its handle (see the module docstring)."""
+    """Issue every chunk of an asynchronous call and return its handle (see the module docstring): accelerator
+    memory for every chunk, so that no chunk waits for another's; every H2D and every collective queued before
+    this returns. On a stream-ordered backend, each chunk's D2H is queued here too, behind its collective: into
+    the caller's pinned memory, or into a pinned landing whose host copies into the caller's pageable memory run on
+    the group's ``out`` lane once the chunk has landed and the ranks' agreement is checked (the lane's first task);
+    the handle's wait ends once they are done. From a backend that runs collectives from the host (Gloo, and
+    staging through the CPU), a task on the group's completion lane waits for each chunk and copies it back."""
     call, chunks, device = plan.call, plan.chunks, plan.device
     group, rank = call.group, call.group.rank()
-    # Before the wire: accelerator memory for every chunk, and pinned bounce buffers for pageable memory.
+    ordered = _stream_ordered(group, device)
+    # Before the wire: accelerator memory for every chunk, pinned host memory for pageable memory to go through.
     sizes = [_slot_bytes(chunks, index) for index in range(chunks.count)]
     offsets = [sum(sizes[:index]) for index in range(chunks.count)]
     with torch.inference_mode(False):
@@ -453,71 +482,122 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
     bounce_in = PAGEABLE_PATH == "bounce" and reads and not _staging._is_pinned(source)
     bounce_out = PAGEABLE_PATH == "bounce" and writes and not _staging._is_pinned(dest)
     buffers_in = [_groups.host_buffer(chunks.step, device) for _ in range(2)] if bounce_in else None
-    buffers_out = [_groups.host_buffer(max(sizes), device) for _ in range(2)] if bounce_out else None
+    landing = buffers_out = None  # the stream-ordered path lands every chunk; the other, two at a time
+    if bounce_out and ordered:
+        landing = _groups.host_buffer(sum(sizes), device)
+    elif bounce_out:
+        buffers_out = [_groups.host_buffer(max(sizes), device) for _ in range(2)]
     h2d, d2h = _staging.new_stream(device), _staging.new_stream(device)
     agreement = _agreement(chunks, device)
-    works, free, copies_in = [], [None, None], {}
+    agreed = torch.empty(agreement.numel(), dtype=torch.int64, pin_memory=ordered)
+    works, free, copies_in, copies_out = [], [None, None], {}, []
     lane_in = _groups.lane(group, "in") if bounce_in else None
+    lane_out = _groups.lane(group, "out") if ordered and bounce_out else None
+    failed = []  # the agreement's error, for the out lane's later tasks
 
     def copy_in(index: int) -> None:
         _, view = _ins(chunks, index, source, rank)
         copies_in[index] = lane_in.submit(_copy_after, free[index % 2], [(buffers_in[index % 2][: view.numel()], view)])
 
-    with _staging.staged_call(), torch.no_grad():
+    def check(event) -> None:  # on the out lane, before any copy into the caller's memory
+        event.synchronize()
+        try:
+            _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
+        except StagingError as error:
+            failed.append(error)
+            raise
+
+    def copy_out(event, pairs) -> None:
+        if not failed:
+            _copy_after(event, pairs)
+
+    with _staging.staged_call(), torch.no_grad(), _staging.writable(dest):
         h2d.wait_stream(_staging.current_stream(device))
-        works.append(_launch_agreement(group, agreement))
+        with _staging.current(h2d):
+            works.append(_launch_agreement(group, agreement))
+        if ordered:
+            with _staging.current(d2h):
+                works[0].wait()
+                agreed.copy_(agreement, non_blocking=True)
+            checked = d2h.record_event()
+            if lane_out is not None:
+                copies_out.append(lane_out.submit(check, checked))
         try:
             if bounce_in:
                 copy_in(0)
             for index in range(chunks.count):
                 slot = memory[offsets[index] : offsets[index] + sizes[index]]
-                if reads:
-                    offset, view = _ins(chunks, index, source, rank)
-                    origin = view
-                    if bounce_in:
-                        copies_in.pop(index).result()
-                        origin = buffers_in[index % 2][: view.numel()]
-                    with _staging.current(h2d):
-                        slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
-                    if bounce_in:
-                        free[index % 2] = h2d.record_event()
-                        if index + 1 < chunks.count:
-                            copy_in(index + 1)
                 with _staging.current(h2d):
+                    if reads:
+                        offset, view = _ins(chunks, index, source, rank)
+                        origin = view
+                        if bounce_in:
+                            copies_in.pop(index).result()
+                            origin = buffers_in[index % 2][: view.numel()]
+                        slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
+                        if bounce_in:
+                            free[index % 2] = h2d.record_event()
+                            if index + 1 < chunks.count:
+                                copy_in(index + 1)
                     works.append(launch(index, slot))
+                if ordered and writes:  # queued behind the chunk's collective: the host waits for nothing here
+                    with _staging.current(d2h):
+                        works[-1].wait()
+                        if bounce_out:
+                            land = landing[offsets[index] : offsets[index] + sizes[index]]
+                            land.copy_(slot, non_blocking=True)
+                            pairs = [(view, land[offset : offset + view.numel()])
+                                     for offset, view in _outs(chunks, index, dest)]
+                            copies_out.append(lane_out.submit(copy_out, d2h.record_event(), pairs))
+                        else:
+                            for offset, view in _outs(chunks, index, dest):
+                                view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
         except BaseException:
-            _settle(copies_in.values(), quietly=True)
+            _settle([*copies_in.values(), *copies_out], quietly=True)
             raise
-    token_free = h2d.record_event()  # the caller's memory has been read once this has completed
+    read = h2d.record_event()  # the caller's memory has been read once this has completed
 
     def complete() -> None:
         with torch.no_grad(), _staging.writable(dest):
-            with _staging.current(d2h):  # the agreement's result read on the stream that waited for it
-                works[0].wait()
-                values = agreement.tolist()
-            _check_agreement(group, values, chunks, call.entry.label)
+            if ordered:
+                _settle(copies_out)  # (the agreement checked first)
+                if lane_out is None:
+                    checked.synchronize()
+                    _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
+                _finish_from_host(None)
+            else:
+                with _staging.current(d2h):  # the agreement's result read on the stream that waited for it
+                    works[0].wait()
+                    values = agreement.tolist()
+                _check_agreement(group, values, chunks, call.entry.label)
+                _finish_from_host(buffers_out)
+
+    def _finish_from_host(bounce) -> None:
+        """Wait for each chunk from the host (a backend whose ``wait()`` blocks) and copy it back; or, stream-ordered,
+        only wait for the queued copies."""
+        if not ordered:
             pending = None  # (event, pairs) of the previous chunk's copy out of its bounce buffer
             for index in range(chunks.count):
                 slot = memory[offsets[index] : offsets[index] + sizes[index]]
                 with _staging.current(d2h):
                     works[index + 1].wait()
-                    if writes and bounce_out:
-                        landing = buffers_out[index % 2]
-                        landing[: sizes[index]].copy_(slot, non_blocking=True)
+                    if writes and bounce is not None:
+                        land = bounce[index % 2]
+                        land[: sizes[index]].copy_(slot, non_blocking=True)
                         event = d2h.record_event()
                         if pending is not None:
                             _copy_after(*pending)
-                        pending = (event, [(view, landing[offset : offset + view.numel()])
+                        pending = (event, [(view, land[offset : offset + view.numel()])
                                            for offset, view in _outs(chunks, index, dest)])
                     elif writes:
                         for offset, view in _outs(chunks, index, dest):
                             view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
             if pending is not None:
                 _copy_after(*pending)
-            d2h.synchronize()
-            token_free.synchronize()
-            if back_out is not None:
-                back_out()
+        d2h.synchronize()
+        read.synchronize()
+        if back_out is not None:
+            back_out()
 
     completion = _groups.completion_lane(group).submit(complete)
     caller = call.values[call.entry.args[0].name if call.entry.wire == ELEMENTWISE else _written(call.entry)]

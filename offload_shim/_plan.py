@@ -282,6 +282,9 @@ def _chunks(call: Call, settings) -> Chunks | None:
     entry, chunk_bytes, world = call.entry, settings.chunk_bytes, call.group.size()
     if entry.reduces and call.op is None or entry.root is not None and call.root_rank is None:
         return None  # an op or root torch will refuse: its own call, whole, raises
+    tensor = call.values[entry.args[0].name]
+    if entry.reduces and tensor.is_complex() and not dist.distributed_c10d.supports_complex(call.op):
+        return None  # torch refuses it: likewise
     if entry.wire == ELEMENTWISE:
         tensor = call.values[entry.args[0].name]
         itemsize = tensor.element_size()

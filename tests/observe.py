@@ -54,8 +54,11 @@ def configured(**settings):
 @contextlib.contextmanager
 def counting_calls(module, name: str):
     """Yields a list that gets one entry for each call of ``module.name`` made inside the block (the function bound
-    there when the block starts, called through); binds that function back afterwards."""
+    there when the block starts, called through); binds that function back afterwards. ``module`` may be a class
+    (a method, counted where it is looked up on the class: ``type(group).allreduce(group, ...)``); what its own
+    namespace held is put back as it was (a method of a pybind class is bound through that object)."""
     original = getattr(module, name)
+    saved = vars(module).get(name, original)
     calls = []
 
     def counted(*args, **kwargs):
@@ -66,7 +69,7 @@ def counting_calls(module, name: str):
     try:
         yield calls
     finally:
-        setattr(module, name, original)
+        setattr(module, name, saved)
 
 
 def rss_bytes() -> int:

@@ -210,7 +210,7 @@ def full_tensor_chunked(chunk_mib: int):
         # Bytes of each rank's padded shard a step: the chunk over both ranks; steps: the shard's bytes over those.
         steps = -(-4096 * 4096 * dtype.itemsize // (chunk // 2))
         dist.barrier()
-        with shim(), configured(chunk_bytes=chunk), counting_calls(dist, _execute.GATHER) as gathers:
+        with shim(), configured(chunk_bytes=chunk), counting_calls(dist.ProcessGroup, _execute.GATHER_METHOD) as gathers:
             offload_shim.release_buffers()  # the call makes its pool: its slots count
             torch.accelerator.synchronize()
             torch.cuda.reset_peak_memory_stats(device)

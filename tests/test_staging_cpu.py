@@ -369,7 +369,7 @@ def check_full_tensor_chunked():
         local = sharded.to_local()
         before, pointer = local.clone(), local.data_ptr()
         expected = sharded.full_tensor(**kwargs)  # torch's own: Gloo serves the CPU
-        with staging_through_cpu(chunk_bytes=chunk) as devices, counting_calls(dist, _execute.GATHER) as gathers:
+        with staging_through_cpu(chunk_bytes=chunk) as devices, counting_calls(dist.ProcessGroup, _execute.GATHER_METHOD) as gathers:
             poison_staging_buffers()
             got = sharded.full_tensor(**kwargs)
             poison_staging_buffers()
@@ -388,7 +388,7 @@ def check_full_tensor_chunked():
         for stage in (False, True):
             leaf = distribute_tensor(full, mesh, placements).requires_grad_()
             with staging_through_cpu(chunk_bytes=chunk) if stage else contextlib.nullcontext():
-                with counting_calls(dist, _execute.GATHER) as gathers:
+                with counting_calls(dist.ProcessGroup, _execute.GATHER_METHOD) as gathers:
                     out = leaf.full_tensor(**kwargs)
                     with torch.no_grad():
                         out_no_grad = leaf.full_tensor(**kwargs)
@@ -407,7 +407,7 @@ def check_full_tensor_chunked():
 
     fresh = DeviceMesh.from_group(dist.new_group(), "cpu", mesh_dim_names=("ft_fresh",))
     first = distribute_tensor(same_input((64,), f32, seed=0), fresh, [Shard(0)])
-    with staging_through_cpu(chunk_bytes=32 if rank == 0 else 64), counting_calls(dist, _execute.GATHER) as gathers:
+    with staging_through_cpu(chunk_bytes=32 if rank == 0 else 64), counting_calls(dist.ProcessGroup, _execute.GATHER_METHOD) as gathers:
         with pytest.raises(offload_shim.StagingError, match="disagree.*chunk sizes"):
             first.full_tensor()
     assert gathers == []
@@ -417,7 +417,7 @@ def check_full_tensor_chunked():
         mislaid = DTensor.from_local(
             torch.zeros(rows[rank], 40), flat, [Shard(0)], run_check=False, shape=(4, 40), stride=(40, 1)
         )
-        with staging_through_cpu(chunk_bytes=chunk), counting_calls(dist, _execute.GATHER) as gathers:
+        with staging_through_cpu(chunk_bytes=chunk), counting_calls(dist.ProcessGroup, _execute.GATHER_METHOD) as gathers:
             with pytest.raises(offload_shim.StagingError, match="disagree.*sizes"):
                 mislaid.full_tensor()
         assert gathers == []
