@@ -320,8 +320,24 @@ def _slot_bytes(chunks: Chunks, index: int) -> int:
 
 
 def _agreement(chunks: Chunks, device) -> torch.Tensor:
-    mine = torch.tensor(chunks.code(), dtype=torch.int64)
-    return torch.cat([mine, -mine]).to(device)
+    """This rank's ``[code, -code]`` on ``device`` (int64), a fresh tensor for the agreement's collective to write:
+    a copy, queued on the current stream, of a constant kept per device and code (copied from pinned memory once),
+    so that no call waits for the host or for work queued before it."""
+    key = (device, *chunks.code())
+    known = _agreements.get(key)
+    if known is None:
+        code = key[1:]
+        host = torch.tensor([*code, *(-v for v in code)], dtype=torch.int64, pin_memory=device.type != "cpu")
+        if len(_agreements) >= 256:  # sizes seen once: keep the table small
+            _agreements.clear()
+        stream = _staging.current_stream(device)
+        known = _agreements[key] = (host.to(device, non_blocking=True), stream.record_event())
+    constant, ready = known
+    _staging.current_stream(device).wait_event(ready)  # (made on another stream, maybe)
+    return constant.clone()
+
+
+_agreements: dict = {}  # (device, *code) -> (constant agreement tensor, event after its copy)
 
 
 def _launch_agreement(group, tensor: torch.Tensor):
@@ -412,7 +428,7 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
                     if bounce_in:
                         copies_in.pop(index).result()
                         origin = buffers_in[s][offset : offset + view.numel()]
-                    with _staging.current(pool.h2d):
+                    with pool.h2d:
                         slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
                     if bounce_in:
                         pool.bounce_free[s] = pool.h2d.record_event()
@@ -421,9 +437,9 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
                 if index == 0:  # behind the first chunk's H2D
                     _launch_agreement(group, agreement).wait()
                     _check_agreement(group, agreement.tolist(), chunks, call.entry.label)
-                with _staging.current(pool.h2d):
+                with pool.h2d:
                     work = launch(index, slot)
-                with _staging.current(pool.d2h):
+                with pool.d2h:
                     work.wait()  # the D2H stream waits on the collective (Gloo: the collective has finished)
                 if writes:
                     if bounce_out:
@@ -431,13 +447,13 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
                             copies_out[s].result()
                         landing = buffers_out[s]
                         used = _slot_bytes(chunks, index)
-                        with _staging.current(pool.d2h):
+                        with pool.d2h:
                             landing[:used].copy_(slot[:used], non_blocking=True)
                         pairs = [(view, landing[offset : offset + view.numel()])
                                  for offset, view in _outs(chunks, index, dest)]
                         copies_out[s] = lane_out.submit(_copy_after, pool.d2h.record_event(), pairs)
                     else:
-                        with _staging.current(pool.d2h):
+                        with pool.d2h:
                             for offset, view in _outs(chunks, index, dest):
                                 view.copy_(slot[offset : offset + view.numel()], non_blocking=pinned_out)
                 pool.slot_free[s] = pool.d2h.record_event()
@@ -513,10 +529,10 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
 
     with _staging.staged_call(), torch.no_grad(), _staging.writable(dest):
         h2d.wait_stream(_staging.current_stream(device))
-        with _staging.current(h2d):
+        with h2d:
             works.append(_launch_agreement(group, agreement))
         if ordered:
-            with _staging.current(d2h):
+            with d2h:
                 works[0].wait()
                 agreed.copy_(agreement, non_blocking=True)
             checked = d2h.record_event()
@@ -527,7 +543,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                 copy_in(0)
             for index in range(chunks.count):
                 slot = memory[offsets[index] : offsets[index] + sizes[index]]
-                with _staging.current(h2d):
+                with h2d:
                     if reads:
                         offset, view = _ins(chunks, index, source, rank)
                         origin = view
@@ -541,7 +557,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                                 copy_in(index + 1)
                     works.append(launch(index, slot))
                 if ordered and writes:  # queued behind the chunk's collective: the host waits for nothing here
-                    with _staging.current(d2h):
+                    with d2h:
                         works[-1].wait()
                         if bounce_out:
                             land = landing[offsets[index] : offsets[index] + sizes[index]]
@@ -566,7 +582,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                     _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
                 _finish_from_host(None)
             else:
-                with _staging.current(d2h):  # the agreement's result read on the stream that waited for it
+                with d2h:  # the agreement's result read on the stream that waited for it
                     works[0].wait()
                     values = agreement.tolist()
                 _check_agreement(group, values, chunks, call.entry.label)
@@ -579,7 +595,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
             pending = None  # (event, pairs) of the previous chunk's copy out of its bounce buffer
             for index in range(chunks.count):
                 slot = memory[offsets[index] : offsets[index] + sizes[index]]
-                with _staging.current(d2h):
+                with d2h:
                     works[index + 1].wait()
                     if writes and bounce is not None:
                         land = bounce[index % 2]
@@ -610,6 +626,7 @@ def release_buffers() -> None:
     that a call in another thread is using are freed when it is done with them. The next staged call makes new ones.
     ``torch.distributed.destroy_process_group()`` (of every group) calls this while the shim is installed."""
     _replay.forget()
+    _agreements.clear()
     _registration.unregister_all()
     _staging.release_small_slots()
     _groups.release()

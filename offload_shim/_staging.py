@@ -85,6 +85,12 @@ class NoStream:
     def query(self) -> bool:
         return True
 
+    def __enter__(self):  # ``with stream:`` makes a torch.Stream current on its device for the block (torch's own)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
 
 def new_stream(device: torch.device):
     """A stream of ``device`` (from torch's pool of streams), or :class:`NoStream` for the CPU."""
@@ -93,20 +99,6 @@ def new_stream(device: torch.device):
 
 def current_stream(device: torch.device):
     return NoStream() if device.type == "cpu" else torch.accelerator.current_stream(device)
-
-
-@contextlib.contextmanager
-def current(stream):
-    """Make ``stream`` the current stream of its device for the block (in this thread)."""
-    if isinstance(stream, NoStream):
-        yield
-        return
-    previous = torch.accelerator.current_stream(stream.device)
-    torch.accelerator.set_stream(stream)
-    try:
-        yield
-    finally:
-        torch.accelerator.set_stream(previous)
 
 
 # Host copies are split over the copy threads in pieces of at least this size: smaller pieces cost more than they
