@@ -48,8 +48,10 @@ def activate(asked_by: str) -> None:
     try:
         reason = _not_a_package() if "offload_shim" not in sys.modules else None
         if reason is None:
-            import offload_shim
-
+            with warnings.catch_warnings(record=True) as given:
+                warnings.simplefilter("always")
+                import offload_shim
+            _give_again(given)
             reason = not_installed_reason(offload_shim)
     except Exception as exc:  # never break `import torch`
         reason = import_failure(exc)
@@ -57,6 +59,17 @@ def activate(asked_by: str) -> None:
     if reason and not _warned:
         _warned = True
         warn_at_program(f"offload_shim is not enabled: {reason} [asked for by {asked_by}]")
+
+
+def _give_again(given) -> None:
+    """Warn again what importing the package warned (recorded): a warning located at this module's line (the
+    package's start-up warnings point at the line that imported it) at the program's line instead; any other where
+    it was, through the filters in force."""
+    for each in given:
+        if each.filename == __file__:
+            warn_at_program(str(each.message), each.category)
+        else:
+            warnings.warn_explicit(each.message, each.category, each.filename, each.lineno, source=each.source)
 
 
 def _not_a_package() -> str | None:
@@ -114,8 +127,8 @@ def not_installed_reason(module) -> str | None:
     return None  # installed, then uninstall()ed: the caller's own choice
 
 
-def warn_at_program(message: str) -> None:
-    """A ``RuntimeWarning`` located at the program's own line that led here (its ``import torch``): the first frame
+def warn_at_program(message: str, category: type = RuntimeWarning) -> None:
+    """A warning (``RuntimeWarning`` unless ``category``) located at the program's own line that led here (its ``import torch``): the first frame
     outside offload_shim's start-up, the drop-in, torch and the import system; not at a line of ours, which the
     warning would echo as its source."""
     frame = sys._getframe(1)
@@ -123,7 +136,7 @@ def warn_at_program(message: str) -> None:
         frame = frame.f_back
     registry = frame.f_globals.setdefault("__warningregistry__", {})
     # (no module_globals: for `python -c` they name a loader that raises when asked for the source line)
-    warnings.warn_explicit(message, RuntimeWarning, frame.f_code.co_filename, frame.f_lineno,
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=frame.f_globals.get("__name__"), registry=registry)
 
 

@@ -154,7 +154,7 @@ def main() -> None:
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
     with open(os.path.join(args.out, "async_profile.txt"), "w") as f:
         f.write(text.getvalue())
-    result = {"bytes": args.bytes, "chunks": count, "env_trace_buffer": os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"),
+    result = {"bytes": args.bytes, "chunks": count,
               **{f"{k}_seconds": v for k, v in parts.items() if isinstance(v, float)},
               "inside_us_per_call": parts["inside_us_per_call"],
               **{f"{k}_us_per_chunk": v / count * 1e6 for k, v in parts.items() if isinstance(v, float)}}

@@ -97,4 +97,4 @@ def wrapped_functions() -> dict:
 
 from offload_shim import _startup  # noqa: E402
 
-_startup.activate_on_import()
+_startup.activate_on_import(install, is_installed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 from offload_shim import _config
 
@@ -22,8 +23,9 @@ _log = logging.getLogger("offload_shim")
 _activated = globals().get("_activated", False)
 
 
-def activate_on_import() -> bool:
-    """Read the environment and install the wrappers unless ``OFFLOAD_SHIM`` is false.
+def activate_on_import(install, is_installed) -> bool:
+    """Read the environment and ``install()`` the wrappers unless ``OFFLOAD_SHIM`` is false (the package's own
+    ``install`` and ``is_installed``, handed in by its ``__init__``: this module imports nothing of it).
 
     Runs once per process: later calls (``importlib.reload(offload_shim)``) change nothing.
 
@@ -36,18 +38,21 @@ def activate_on_import() -> bool:
     """
     global _activated
     if _activated:
-        from offload_shim import is_installed
-
         return is_installed()
     _activated = True
     try:
-        return _activate()
+        return _activate(install)
     except _config.ConfigError:
         _activated = False  # a later `import offload_shim` raises it again, rather than importing switched off
         raise
+    finally:  # at the line that imported the package: this function's caller is its __init__ (the import
+        # system's frames between that line and the __init__ are skipped)
+        for message in _to_warn:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        _to_warn.clear()
 
 
-def _activate() -> bool:
+def _activate(install) -> bool:
     if sys.argv[:1] == ["-m"]:
         # `python -m offload_shim ...` imports the package before its __main__ runs (sys.argv[0] is "-m" while
         # Python locates the module): the command line reports a malformed variable itself, in one line, as the
@@ -74,18 +79,17 @@ def _activate() -> bool:
     ignored = _config.unknown_variables() + _config.inert_settings(_config.settings(), torch.accelerator.is_available())
     for message in ignored:
         _warn(f"offload_shim: {message}")
-    from offload_shim import install
-
     install()
     return True
 
 
 def _warn(message: str) -> None:
-    """A start-up ``RuntimeWarning`` at the program's line that imported torch or offload_shim, as the start-up
-    module's own warnings are (imported here, when there is something to warn about: it imports nothing)."""
-    from offload_shim_boot import warn_at_program
+    """Keep a start-up warning for :func:`activate_on_import` to give once activation is done, at the line that
+    imported the package (the start-up module moves it to the program's line where that line is its own)."""
+    _to_warn.append(message)
 
-    warn_at_program(message)
+
+_to_warn: list[str] = []
 
 
 def _log_to_stderr(level: int | None) -> None:

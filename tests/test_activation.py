@@ -60,7 +60,7 @@ def test_true_value_activates_at_import_torch():
         import offload_shim
         from offload_shim import _startup
         offload_shim.uninstall()
-        for value in each(["true", "YES", " on "], _startup.activate_on_import):
+        for value in each(["true", "YES", " on "], lambda: _startup.activate_on_import(offload_shim.install, offload_shim.is_installed)):
             assert offload_shim.is_installed(), value
             offload_shim.uninstall()
         """,
@@ -93,7 +93,7 @@ def test_false_value_installs_nothing(site):
         site, IMPORT_TORCH, REPORT, "import offload_shim; print(offload_shim.is_installed())", SPELLINGS,
         """
         from offload_shim import _startup
-        for value in each(["false", "No", "0"], _startup.activate_on_import):
+        for value in each(["false", "No", "0"], lambda: _startup.activate_on_import(offload_shim.install, offload_shim.is_installed)):
             assert not offload_shim.is_installed(), value
         """,
         env={"OFFLOAD_SHIM": "off"},
@@ -131,7 +131,7 @@ def test_malformed_values_rejected_by_import_offload_shim():
                     import offload_shim
                     if "offload_shim._startup" in sys.modules:
                         sys.modules["offload_shim._startup"]._activated = False
-                        sys.modules["offload_shim._startup"].activate_on_import()
+                        sys.modules["offload_shim._startup"].activate_on_import(offload_shim.install, offload_shim.is_installed)
                 print("installed", offload_shim.is_installed(), "|", *(str(w.message) for w in caught))
             except Exception as exc:
                 print(type(exc).__name__, exc)
@@ -499,3 +499,25 @@ def test_log_variable_values():
     assert [_config.log_level_from_environment({"OFFLOAD_SHIM_LOG": v}) for v in ("", " INFO ", "debug")] == [None, 20, 10]
     with pytest.raises(ConfigError, match=r"OFFLOAD_SHIM_LOG='verbose' is not a log level: use one of \['debug', 'info'\]"):
         _config.log_level_from_environment({"OFFLOAD_SHIM_LOG": "verbose"})
+
+
+@pytest.mark.parametrize("path", ["import offload_shim", "OFFLOAD_SHIM=1, import torch", "drop-in, import torch"])
+def test_start_up_warnings_point_at_the_programs_import(tmp_path, site, path):
+    """A misspelt setting warns once, located at the program's own line that imported the package or torch (that
+    line echoed), whichever path switched the shim on: never at a line of the shim's, the drop-in's or torch's."""
+    script = tmp_path / "train.py"
+    line = "import offload_shim" if path == "import offload_shim" else "import torch"
+    script.write_text(f"import os\n{line}\nprint('ran')\n")
+    environ = {k: v for k, v in os.environ.items() if k not in SHIM_VARIABLES and k != "PYTHONPATH"}
+    environ.update({"OFFLOAD_SHIM_CHUNK_BYTE": "1048576", "PYTHONWARNINGS": "default"})
+    if path.startswith("OFFLOAD_SHIM=1"):
+        environ["OFFLOAD_SHIM"] = "1"
+    if path.startswith("drop-in"):
+        environ["PYTHONPATH"] = os.pathsep.join(site)
+    result = subprocess.run([sys.executable, str(script)], env=environ, capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout == "ran\n", result.stderr
+    warning = re.compile(rf"^{re.escape(str(script))}:2: RuntimeWarning: offload_shim: .*OFFLOAD_SHIM_CHUNK_BYTE.*\n"
+                         rf"\s+{line}$", re.M)
+    assert len(warning.findall(result.stderr)) == 1 and result.stderr.count("OFFLOAD_SHIM_CHUNK_BYTE'") <= 1, (
+        result.stderr)
