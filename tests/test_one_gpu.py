@@ -11,6 +11,8 @@ staged for real through the accelerator.
   (point-to-point, the functional all_gather) go through the host and equal staging by hand; the rest stays
   untouched.
 
+* One rank on a NCCL-only group: asynchronous pipelined calls, whose copies NCCL's work handles order on the GPU's
+  streams, each followed at once by a sync collective on the same group.
 * One rank on a NCCL-only group: small calls replayed from a captured CUDA graph, and pageable storages registered
   under a cap, equal to torch's call on a GPU copy, bit for bit.
 
@@ -132,6 +134,55 @@ def check_async_call_never_waits_for_peers(numel, pinned):
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
 def test_async_call_never_waits_for_peers_one_gpu(shared_gpu_ranks, pinned):
     shared_gpu_ranks.run(check_async_call_never_waits_for_peers, 1 << 20, pinned)
+
+
+def check_async_on_a_stream_ordered_backend(pinned):
+    """On NCCL (its work handles order the GPU's streams; the host waits for nothing): asynchronous calls of every
+    chunked kind, pinned or pageable, contiguous or not, each followed at once by a sync collective on the same
+    group; after ``wait()`` each equals torch's call on a GPU copy, bit for bit, written in place."""
+    device = _accelerator()
+    group = _fresh_group()
+    numel = 3 * (1 << 16) + 5  # several chunks of 64 KiB and a short last one
+
+    def host(values):
+        values = values.pin_memory() if pinned else values
+        return values
+
+    offload_shim.install()
+    with configured(chunk_bytes=1 << 16):
+        dist.all_reduce(torch.ones(1), group=group)  # the group's agreement
+        offload_shim.reset_staging_counters()
+        contiguous = host(torch.arange(numel, dtype=torch.float32) * 0.5)
+        strided = host(torch.arange(2 * numel, dtype=torch.float64)).view(numel, 2)[:, 1]  # not contiguous
+        sent = host(torch.arange(numel, dtype=torch.int32))
+        gathered = host(torch.full((numel,), -1, dtype=torch.int32))
+        # torch's calls on GPU copies; pre-multiplied sums, so that one rank's result differs from its input
+        expected = []
+        for tensor, factor in ((contiguous, 3.0), (strided, 2.0)):
+            on_device = tensor.to(device)
+            dist.all_reduce(on_device, op=dist._make_nccl_premul_sum(factor), group=group)
+            expected.append(on_device.cpu())
+        expected.append(sent.to(device).cpu())
+        flag = torch.ones(1)
+        works = [dist.all_reduce(contiguous, op=dist._make_nccl_premul_sum(3.0), async_op=True, group=group)]
+        dist.all_reduce(flag, group=group)  # at once, on the same group: after the async call's collectives
+        works.append(dist.all_reduce(strided, op=dist._make_nccl_premul_sum(2.0), async_op=True, group=group))
+        works.append(dist.all_gather_into_tensor(gathered, sent, async_op=True, group=group))
+        dist.broadcast(flag, group_src=0, group=group)
+        for work in works:
+            work.wait()
+        assert [result is contiguous for result in works[0].result()] == [True]
+    assert same_bits(contiguous, expected[0]) and same_bits(strided, expected[1])
+    assert same_bits(gathered, expected[2]) and flag.item() == dist.get_world_size() ** 2
+    assert not same_bits(contiguous, torch.arange(numel, dtype=torch.float32) * 0.5)  # written
+    assert strided.is_contiguous() is False and contiguous.is_pinned() is pinned
+    counts = {key.mode: count.calls for key, count in offload_shim.staging_counters().items()}
+    assert counts.get("pipelined") == 3, counts
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_async_on_a_stream_ordered_backend_one_rank(nccl_rank, pinned):
+    nccl_rank.run(check_async_on_a_stream_ordered_backend, pinned)
 
 
 def test_two_threads_on_two_groups_in_opposite_orders_one_gpu(shared_gpu_ranks):
