@@ -276,6 +276,21 @@ def _launcher(chunks: Chunks, call):
             return gather(group, slot[: world * count], slot[rank * count : (rank + 1) * count], options)
 
         return launch
+    method, options = _elementwise_method(chunks, call)
+    dtype = chunks.dtype
+    complex_ = dtype.is_complex  # reduced as real pairs, as torch's all_reduce and reduce do
+
+    def launch(index: int, slot: torch.Tensor):
+        typed = slot[: _count(chunks, index)].view(dtype)
+        return method(group, [torch.view_as_real(typed) if complex_ else typed], options)
+
+    return launch
+
+
+def _elementwise_method(chunks: Chunks, call):
+    """``(method, options)``: the group's method for an elementwise chunk (``allreduce``, ``broadcast``,
+    ``reduce``, looked up on its type) and torch's options for it, asynchronous."""
+    group, kind = call.group, chunks.kind
     if kind == "all_reduce":
         method, options = type(group).allreduce, _c10d.AllreduceOptions()
         options.reduceOp = call.op
@@ -286,14 +301,7 @@ def _launcher(chunks: Chunks, call):
         method, options = type(group).reduce, _c10d.ReduceOptions()
         options.reduceOp, options.rootRank = call.op, call.root_rank
     options.asyncOp = True
-    dtype = chunks.dtype
-    complex_ = dtype.is_complex  # reduced as real pairs, as torch's all_reduce and reduce do
-
-    def launch(index: int, slot: torch.Tensor):
-        typed = slot[: _count(chunks, index)].view(dtype)
-        return method(group, [torch.view_as_real(typed) if complex_ else typed], options)
-
-    return launch
+    return method, options
 
 
 def _count(chunks: Chunks, index: int) -> int:
@@ -468,6 +476,40 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
     done.synchronize()
 
 
+def _issue_elementwise(call, chunks: Chunks, memory, source, dest, reads: bool, writes: bool, h2d, d2h, works,
+                       landing, copy_out) -> None:
+    """Issue every chunk of an asynchronous elementwise call from host memory that needs no bounce buffer in, on a
+    stream-ordered backend: per chunk its H2D and its collective on the H2D stream; then per chunk the D2H stream's
+    wait for that collective and its D2H (into ``landing``, pinned, where the destination is pageable: its host
+    copies queued with ``copy_out(event, pairs)``). The same chunks as the general loop, the views cut at once, so
+    that the host time per chunk is the runtime's and the backend's."""
+    step, total, group = chunks.step, chunks.total, call.group
+    method, options = _elementwise_method(chunks, call)
+    typed = memory[:total].view(chunks.dtype)
+    if chunks.dtype.is_complex:  # reduced as real pairs, as torch's all_reduce and reduce do
+        typed = torch.view_as_real(typed)
+    typed = typed.split(step // chunks.dtype.itemsize)
+    slots = memory[:total].split(step)
+    with h2d:
+        if reads:
+            for slot, view, chunk in zip(slots, source.split(step), typed):
+                slot.copy_(view, non_blocking=True)
+                works.append(method(group, [chunk], options))
+        else:
+            works.extend(method(group, [chunk], options) for chunk in typed)
+    if not writes:
+        return
+    lands = landing[:total].split(step) if landing is not None else slots
+    with d2h:  # each D2H queued behind its chunk's collective: the host waits for nothing here
+        for work, slot, land, out in zip(works[-len(slots):], slots, lands, dest.split(step)):
+            work.wait()
+            if landing is None:
+                out.copy_(slot, non_blocking=True)
+            else:
+                land.copy_(slot, non_blocking=True)
+                copy_out(d2h.record_event(), [(out, land)])
+
+
 def _stream_ordered(group, device) -> bool:
     """Whether the backend that runs the group's collectives on ``device`` orders them on the device's streams
     (a work handle's ``wait()`` makes the current stream wait, and returns at once): a backend that serves that
@@ -505,7 +547,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
         buffers_out = [_groups.host_buffer(max(sizes), device) for _ in range(2)]
     h2d, d2h = _staging.new_stream(device), _staging.new_stream(device)
     agreement = _agreement(chunks, device)
-    agreed = torch.empty(agreement.numel(), dtype=torch.int64, pin_memory=ordered)
+    agreed = torch.empty(agreement.numel(), dtype=torch.int64, pin_memory=ordered and device.type != "cpu")
     works, free, copies_in, copies_out = [], [None, None], {}, []
     lane_in = _groups.lane(group, "in") if bounce_in else None
     lane_out = _groups.lane(group, "out") if ordered and bounce_out else None
@@ -539,35 +581,40 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
             if lane_out is not None:
                 copies_out.append(lane_out.submit(check, checked))
         try:
-            if bounce_in:
-                copy_in(0)
-            for index in range(chunks.count):
-                slot = memory[offsets[index] : offsets[index] + sizes[index]]
-                with h2d:
-                    if reads:
-                        offset, view = _ins(chunks, index, source, rank)
-                        origin = view
-                        if bounce_in:
-                            copies_in.pop(index).result()
-                            origin = buffers_in[index % 2][: view.numel()]
-                        slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
-                        if bounce_in:
-                            free[index % 2] = h2d.record_event()
-                            if index + 1 < chunks.count:
-                                copy_in(index + 1)
-                    works.append(launch(index, slot))
-                if ordered and writes:  # queued behind the chunk's collective: the host waits for nothing here
-                    with d2h:
-                        works[-1].wait()
-                        if bounce_out:
-                            land = landing[offsets[index] : offsets[index] + sizes[index]]
-                            land.copy_(slot, non_blocking=True)
-                            pairs = [(view, land[offset : offset + view.numel()])
-                                     for offset, view in _outs(chunks, index, dest)]
-                            copies_out.append(lane_out.submit(copy_out, d2h.record_event(), pairs))
-                        else:
-                            for offset, view in _outs(chunks, index, dest):
-                                view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
+            if ordered and not bounce_in and chunks.kind != "all_gather":
+                _issue_elementwise(call, chunks, memory, source, dest, reads, writes, h2d, d2h, works,
+                                   landing if bounce_out else None,
+                                   lambda event, pairs: copies_out.append(lane_out.submit(copy_out, event, pairs)))
+            else:
+                if bounce_in:
+                    copy_in(0)
+                for index in range(chunks.count):
+                    slot = memory[offsets[index] : offsets[index] + sizes[index]]
+                    with h2d:
+                        if reads:
+                            offset, view = _ins(chunks, index, source, rank)
+                            origin = view
+                            if bounce_in:
+                                copies_in.pop(index).result()
+                                origin = buffers_in[index % 2][: view.numel()]
+                            slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
+                            if bounce_in:
+                                free[index % 2] = h2d.record_event()
+                                if index + 1 < chunks.count:
+                                    copy_in(index + 1)
+                        works.append(launch(index, slot))
+                    if ordered and writes:  # queued behind the chunk's collective: the host waits for nothing here
+                        with d2h:
+                            works[-1].wait()
+                            if bounce_out:
+                                land = landing[offsets[index] : offsets[index] + sizes[index]]
+                                land.copy_(slot, non_blocking=True)
+                                pairs = [(view, land[offset : offset + view.numel()])
+                                         for offset, view in _outs(chunks, index, dest)]
+                                copies_out.append(lane_out.submit(copy_out, d2h.record_event(), pairs))
+                            else:
+                                for offset, view in _outs(chunks, index, dest):
+                                    view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
         except BaseException:
             _settle([*copies_in.values(), *copies_out], quietly=True)
             raise
