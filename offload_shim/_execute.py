@@ -15,14 +15,15 @@ A pipelined call sends the same collectives, synchronous or not. Synchronous (:f
 group's pool (``_groups.pool``), chunk ``i`` in slot ``i % 2``: H2D on the pool's H2D stream after the slot's
 previous D2H, the collective launched with the H2D stream current (the backend's stream waits on that copy), D2H on
 the pool's D2H stream after the collective; so a chunk's collective overlaps the next chunk's H2D and the previous
-one's D2H. Asynchronous (:func:`_run_async`): accelerator memory for every chunk, so that no chunk waits for another
-to free a slot: every H2D and every collective is issued before the call returns its handle, the call keeping its
-place in the group's order, and a task on the group's completion lane waits for each chunk in turn, copies it back
-into the caller's tensor and ends the handle's wait. Pageable host memory goes through two pinned bounce buffers per
-direction: host copies into them on the group's ``in`` lane, out of them on its ``out`` lane (or on the completion
-lane), beside the DMA. A pinned (or registered) tensor is copied to and from directly. Chunk collectives are
-the group's own methods of torch's collectives (``allreduce``, ``broadcast``, ``reduce``, ``all_gather_single``)
-with torch's options, whatever the entry point: the same collectives for an eager, functional or compiled call.
+one's D2H. Asynchronous (:func:`_run_async`): accelerator memory for every chunk, so that no chunk waits for
+another to free a slot: every H2D and every collective is issued before the call returns its handle, the call
+keeping its place in the group's order, and a task on the group's completion lane waits for each chunk in turn,
+copies it back into the caller's tensor and ends the handle's wait. Pageable host memory
+goes through two pinned bounce buffers per direction: host copies into them on the group's ``in`` lane, out of
+them on its ``out`` lane (or on the completion lane), beside the DMA. A pinned (or registered) tensor is copied to
+and from directly. Chunk collectives are the group's own methods of torch's collectives (``allreduce``,
+``broadcast``, ``reduce``, ``all_gather_single``) with torch's options, whatever the entry point: the same
+collectives for an eager, functional or compiled call.
 
 Staging memory a call needs is obtained before anything is sent, so a rank that cannot get it raises before the
 wire, as a rank that raises in torch does.
@@ -476,63 +477,15 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
     done.synchronize()
 
 
-def _issue_elementwise(call, chunks: Chunks, memory, source, dest, reads: bool, writes: bool, h2d, d2h, works,
-                       landing, copy_out) -> None:
-    """Issue every chunk of an asynchronous elementwise call from host memory that needs no bounce buffer in, on a
-    stream-ordered backend: per chunk its H2D and its collective on the H2D stream; then per chunk the D2H stream's
-    wait for that collective and its D2H (into ``landing``, pinned, where the destination is pageable: its host
-    copies queued with ``copy_out(event, pairs)``). The same chunks as the general loop, the views cut at once, so
-    that the host time per chunk is the runtime's and the backend's."""
-    step, total, group = chunks.step, chunks.total, call.group
-    method, options = _elementwise_method(chunks, call)
-    typed = memory[:total].view(chunks.dtype)
-    if chunks.dtype.is_complex:  # reduced as real pairs, as torch's all_reduce and reduce do
-        typed = torch.view_as_real(typed)
-    typed = typed.split(step // chunks.dtype.itemsize)
-    slots = memory[:total].split(step)
-    with h2d:
-        if reads:
-            for slot, view, chunk in zip(slots, source.split(step), typed):
-                slot.copy_(view, non_blocking=True)
-                works.append(method(group, [chunk], options))
-        else:
-            works.extend(method(group, [chunk], options) for chunk in typed)
-    if not writes:
-        return
-    lands = landing[:total].split(step) if landing is not None else slots
-    with d2h:  # each D2H queued behind its chunk's collective: the host waits for nothing here
-        for work, slot, land, out in zip(works[-len(slots):], slots, lands, dest.split(step)):
-            work.wait()
-            if landing is None:
-                out.copy_(slot, non_blocking=True)
-            else:
-                land.copy_(slot, non_blocking=True)
-                copy_out(d2h.record_event(), [(out, land)])
-
-
-def _stream_ordered(group, device) -> bool:
-    """Whether the backend that runs the group's collectives on ``device`` orders them on the device's streams
-    (a work handle's ``wait()`` makes the current stream wait, and returns at once): a backend that serves that
-    accelerator only (NCCL, HCCL, XCCL), as torch records its backends (``Backend.backend_capability``). One that
-    also serves the host (Gloo, MPI, UCC) runs them from the host, and its ``wait()`` blocks."""
-    if device.type == "cpu":
-        return False
-    name = _devices.backend_for(group, device.type)
-    return "cpu" not in dist.Backend.backend_capability.get(name or "", ("cpu",))
-
-
 def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back_out):
     """Issue every chunk of an asynchronous call and return its handle (see the module docstring): accelerator
-    memory for every chunk, so that no chunk waits for another's; every H2D and every collective queued before
-    this returns. On a stream-ordered backend, each chunk's D2H is queued here too, behind its collective: into
-    the caller's pinned memory, or into a pinned landing whose host copies into the caller's pageable memory run on
-    the group's ``out`` lane once the chunk has landed and the ranks' agreement is checked (the lane's first task);
-    the handle's wait ends once they are done. From a backend that runs collectives from the host (Gloo, and
-    staging through the CPU), a task on the group's completion lane waits for each chunk and copies it back."""
+    memory for every chunk, so that no chunk waits for another's; every H2D and every collective queued before this
+    returns; a task on the group's completion lane waits for each chunk (the host waits where the backend's
+    ``wait()`` blocks, as Gloo's; its D2H stream where the backend orders the device's streams, as NCCL's), copies it
+    back, and ends the handle's wait."""
     call, chunks, device = plan.call, plan.chunks, plan.device
     group, rank = call.group, call.group.rank()
-    ordered = _stream_ordered(group, device)
-    # Before the wire: accelerator memory for every chunk, pinned host memory for pageable memory to go through.
+    # Before the wire: accelerator memory for every chunk, and pinned bounce buffers for pageable memory.
     sizes = [_slot_bytes(chunks, index) for index in range(chunks.count)]
     offsets = [sum(sizes[:index]) for index in range(chunks.count)]
     with torch.inference_mode(False):
@@ -540,127 +493,71 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
     bounce_in = PAGEABLE_PATH == "bounce" and reads and not _staging._is_pinned(source)
     bounce_out = PAGEABLE_PATH == "bounce" and writes and not _staging._is_pinned(dest)
     buffers_in = [_groups.host_buffer(chunks.step, device) for _ in range(2)] if bounce_in else None
-    landing = buffers_out = None  # the stream-ordered path lands every chunk; the other, two at a time
-    if bounce_out and ordered:
-        landing = _groups.host_buffer(sum(sizes), device)
-    elif bounce_out:
-        buffers_out = [_groups.host_buffer(max(sizes), device) for _ in range(2)]
+    buffers_out = [_groups.host_buffer(max(sizes), device) for _ in range(2)] if bounce_out else None
     h2d, d2h = _staging.new_stream(device), _staging.new_stream(device)
     agreement = _agreement(chunks, device)
-    agreed = torch.empty(agreement.numel(), dtype=torch.int64, pin_memory=ordered and device.type != "cpu")
-    works, free, copies_in, copies_out = [], [None, None], {}, []
+    works, free, copies_in = [], [None, None], {}
     lane_in = _groups.lane(group, "in") if bounce_in else None
-    lane_out = _groups.lane(group, "out") if ordered and bounce_out else None
-    failed = []  # the agreement's error, for the out lane's later tasks
 
     def copy_in(index: int) -> None:
         _, view = _ins(chunks, index, source, rank)
         copies_in[index] = lane_in.submit(_copy_after, free[index % 2], [(buffers_in[index % 2][: view.numel()], view)])
 
-    def check(event) -> None:  # on the out lane, before any copy into the caller's memory
-        event.synchronize()
-        try:
-            _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
-        except StagingError as error:
-            failed.append(error)
-            raise
-
-    def copy_out(event, pairs) -> None:
-        if not failed:
-            _copy_after(event, pairs)
-
-    with _staging.staged_call(), torch.no_grad(), _staging.writable(dest):
+    with _staging.staged_call(), torch.no_grad():
         h2d.wait_stream(_staging.current_stream(device))
         with h2d:
             works.append(_launch_agreement(group, agreement))
-        if ordered:
-            with d2h:
-                works[0].wait()
-                agreed.copy_(agreement, non_blocking=True)
-            checked = d2h.record_event()
-            if lane_out is not None:
-                copies_out.append(lane_out.submit(check, checked))
         try:
-            if ordered and not bounce_in and chunks.kind != "all_gather":
-                _issue_elementwise(call, chunks, memory, source, dest, reads, writes, h2d, d2h, works,
-                                   landing if bounce_out else None,
-                                   lambda event, pairs: copies_out.append(lane_out.submit(copy_out, event, pairs)))
-            else:
-                if bounce_in:
-                    copy_in(0)
-                for index in range(chunks.count):
-                    slot = memory[offsets[index] : offsets[index] + sizes[index]]
-                    with h2d:
-                        if reads:
-                            offset, view = _ins(chunks, index, source, rank)
-                            origin = view
-                            if bounce_in:
-                                copies_in.pop(index).result()
-                                origin = buffers_in[index % 2][: view.numel()]
-                            slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
-                            if bounce_in:
-                                free[index % 2] = h2d.record_event()
-                                if index + 1 < chunks.count:
-                                    copy_in(index + 1)
-                        works.append(launch(index, slot))
-                    if ordered and writes:  # queued behind the chunk's collective: the host waits for nothing here
-                        with d2h:
-                            works[-1].wait()
-                            if bounce_out:
-                                land = landing[offsets[index] : offsets[index] + sizes[index]]
-                                land.copy_(slot, non_blocking=True)
-                                pairs = [(view, land[offset : offset + view.numel()])
-                                         for offset, view in _outs(chunks, index, dest)]
-                                copies_out.append(lane_out.submit(copy_out, d2h.record_event(), pairs))
-                            else:
-                                for offset, view in _outs(chunks, index, dest):
-                                    view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
+            if bounce_in:
+                copy_in(0)
+            for index in range(chunks.count):
+                slot = memory[offsets[index] : offsets[index] + sizes[index]]
+                with h2d:
+                    if reads:
+                        offset, view = _ins(chunks, index, source, rank)
+                        origin = view
+                        if bounce_in:
+                            copies_in.pop(index).result()
+                            origin = buffers_in[index % 2][: view.numel()]
+                        slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
+                        if bounce_in:
+                            free[index % 2] = h2d.record_event()
+                            if index + 1 < chunks.count:
+                                copy_in(index + 1)
+                    works.append(launch(index, slot))
         except BaseException:
-            _settle([*copies_in.values(), *copies_out], quietly=True)
+            _settle(copies_in.values(), quietly=True)
             raise
     read = h2d.record_event()  # the caller's memory has been read once this has completed
 
     def complete() -> None:
         with torch.no_grad(), _staging.writable(dest):
-            if ordered:
-                _settle(copies_out)  # (the agreement checked first)
-                if lane_out is None:
-                    checked.synchronize()
-                    _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
-                _finish_from_host(None)
-            else:
-                with d2h:  # the agreement's result read on the stream that waited for it
-                    works[0].wait()
-                    values = agreement.tolist()
-                _check_agreement(group, values, chunks, call.entry.label)
-                _finish_from_host(buffers_out)
-
-    def _finish_from_host(bounce) -> None:
-        """Wait for each chunk from the host (a backend whose ``wait()`` blocks) and copy it back; or, stream-ordered,
-        only wait for the queued copies."""
-        if not ordered:
+            with d2h:  # the agreement's result read on the stream that waited for it
+                works[0].wait()
+                values = agreement.tolist()
+            _check_agreement(group, values, chunks, call.entry.label)
             pending = None  # (event, pairs) of the previous chunk's copy out of its bounce buffer
             for index in range(chunks.count):
                 slot = memory[offsets[index] : offsets[index] + sizes[index]]
                 with d2h:
                     works[index + 1].wait()
-                    if writes and bounce is not None:
-                        land = bounce[index % 2]
-                        land[: sizes[index]].copy_(slot, non_blocking=True)
+                    if writes and bounce_out:
+                        landing = buffers_out[index % 2]
+                        landing[: sizes[index]].copy_(slot, non_blocking=True)
                         event = d2h.record_event()
                         if pending is not None:
                             _copy_after(*pending)
-                        pending = (event, [(view, land[offset : offset + view.numel()])
+                        pending = (event, [(view, landing[offset : offset + view.numel()])
                                            for offset, view in _outs(chunks, index, dest)])
                     elif writes:
                         for offset, view in _outs(chunks, index, dest):
                             view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
             if pending is not None:
                 _copy_after(*pending)
-        d2h.synchronize()
-        read.synchronize()
-        if back_out is not None:
-            back_out()
+            d2h.synchronize()
+            read.synchronize()
+            if back_out is not None:
+                back_out()
 
     completion = _groups.completion_lane(group).submit(complete)
     caller = call.values[call.entry.args[0].name if call.entry.wire == ELEMENTWISE else _written(call.entry)]

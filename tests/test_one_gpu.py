@@ -11,8 +11,8 @@ staged for real through the accelerator.
   (point-to-point, the functional all_gather) go through the host and equal staging by hand; the rest stays
   untouched.
 
-* One rank on a NCCL-only group: asynchronous pipelined calls, whose copies NCCL's work handles order on the GPU's
-  streams, each followed at once by a sync collective on the same group.
+* One rank on a NCCL-only group: asynchronous pipelined calls, each followed at once by a sync collective on the
+  same group.
 * One rank on a NCCL-only group: small calls replayed from a captured CUDA graph, and pageable storages registered
   under a cap, equal to torch's call on a GPU copy, bit for bit.
 
@@ -137,7 +137,7 @@ def test_async_call_never_waits_for_peers_one_gpu(shared_gpu_ranks, pinned):
 
 
 def check_async_on_a_stream_ordered_backend(pinned):
-    """On NCCL (its work handles order the GPU's streams; the host waits for nothing): asynchronous calls of every
+    """On NCCL (its work handles order the GPU's streams, where Gloo's block the host): asynchronous calls of every
     chunked kind, pinned or pageable, contiguous or not, each followed at once by a sync collective on the same
     group; after ``wait()`` each equals torch's call on a GPU copy, bit for bit, written in place."""
     device = _accelerator()
@@ -172,8 +172,10 @@ def check_async_on_a_stream_ordered_backend(pinned):
         for work in works:
             work.wait()
         assert [result is contiguous for result in works[0].result()] == [True]
-    assert same_bits(contiguous, expected[0]) and same_bits(strided, expected[1])
-    assert same_bits(gathered, expected[2]) and flag.item() == dist.get_world_size() ** 2
+    assert same_bits(contiguous, expected[0]), "contiguous"
+    assert same_bits(strided, expected[1]), "strided"
+    assert same_bits(gathered, expected[2]), "gathered"
+    assert flag.item() == dist.get_world_size() ** 2
     assert not same_bits(contiguous, torch.arange(numel, dtype=torch.float32) * 0.5)  # written
     assert strided.is_contiguous() is False and contiguous.is_pinned() is pinned
     counts = {key.mode: count.calls for key, count in offload_shim.staging_counters().items()}

@@ -272,20 +272,7 @@ def test_clip_grad_norm_on_dtensor(gloo_ranks, norm_type):
 # ---------------------------------------------------------------- the chunked pipeline
 
 
-@contextlib.contextmanager
-def stream_ordered(ordered: bool):
-    """Run the async executor's stream-ordered path (NCCL's: every copy queued by the caller) where ``ordered``: on
-    the CPU each copy and collective completes where it is queued, so its results are the path's own."""
-    original = _execute._stream_ordered
-    if ordered:
-        _execute._stream_ordered = lambda group, device: True
-    try:
-        yield
-    finally:
-        _execute._stream_ordered = original
-
-
-def check_broadcast_chunked(pageable_path, asynchronous, ordered=False):
+def check_broadcast_chunked(pageable_path, asynchronous):
     path, _execute.PAGEABLE_PATH = _execute.PAGEABLE_PATH, pageable_path
     try:
         for src in (0, 1):
@@ -293,7 +280,7 @@ def check_broadcast_chunked(pageable_path, asynchronous, ordered=False):
             expected = base.clone()
             dist.broadcast(expected, src=src)
             tensor = base.clone()
-            with staging_through_cpu(chunk_bytes=40), stream_ordered(ordered):  # 5 float64 a chunk, 8 chunks
+            with staging_through_cpu(chunk_bytes=40):  # 5 float64 per chunk, 8 chunks, the last one short
                 poison_staging_buffers()
                 work = dist.broadcast(tensor, src=src, async_op=asynchronous)
                 poison_staging_buffers()
@@ -304,7 +291,7 @@ def check_broadcast_chunked(pageable_path, asynchronous, ordered=False):
         _execute.PAGEABLE_PATH = path
 
 
-def check_async_chunked_out_of_order(pageable_path, ordered=False):
+def check_async_chunked_out_of_order(pageable_path):
     """Three async calls share the pool's buffers; they are waited late, in reverse order, with the buffers
     poisoned in between, and a synchronous call made before any wait (one of them complex, reduced as real pairs)."""
     path, _execute.PAGEABLE_PATH = _execute.PAGEABLE_PATH, pageable_path
@@ -314,7 +301,7 @@ def check_async_chunked_out_of_order(pageable_path, ordered=False):
         expected = [t.clone() for t in inputs]
         for t in expected:
             dist.all_reduce(t)
-        with staging_through_cpu(chunk_bytes=16), stream_ordered(ordered):
+        with staging_through_cpu(chunk_bytes=16):
             works = [dist.all_reduce(t, async_op=True) for t in inputs]
             poison_staging_buffers()
             middle = rank_input((21,), torch.float32, seed=4)
@@ -440,17 +427,14 @@ def check_full_tensor_chunked():
 
 
 @pytest.mark.parametrize("pageable_path", ["bounce", "driver"])
-@pytest.mark.parametrize("asynchronous", ["sync", "async", "async_stream_ordered"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_broadcast_chunked(gloo_ranks, pageable_path, asynchronous):
-    gloo_ranks.run(check_broadcast_chunked, pageable_path, asynchronous != "sync", asynchronous.endswith("ordered"))
+    gloo_ranks.run(check_broadcast_chunked, pageable_path, asynchronous)
 
 
-# The stream-ordered path with "driver" (no bounce buffer in) issues through _issue_elementwise; with "bounce",
-# through the general loop.
 @pytest.mark.parametrize("pageable_path", ["bounce", "driver"])
-@pytest.mark.parametrize("ordered", [False, True], ids=["host_completing", "stream_ordered"])
-def test_async_chunked_waited_late_and_out_of_order(gloo_ranks, pageable_path, ordered):
-    gloo_ranks.run(check_async_chunked_out_of_order, pageable_path, ordered)
+def test_async_chunked_waited_late_and_out_of_order(gloo_ranks, pageable_path):
+    gloo_ranks.run(check_async_chunked_out_of_order, pageable_path)
 
 
 def test_full_tensor_chunked(gloo_ranks):
