@@ -1,5 +1,6 @@
-"""Cost of the pipeline's agreement check (``_pipeline._agree``: one small all_reduce whose result the host waits
-for), against a pipelined all_reduce of the smallest size that takes the pipeline (two chunks), in one run.
+"""Cost of a chunked call's agreement check (``_execute._agreement``, ``_launch_agreement``, ``_check_agreement``: one
+small all_reduce whose result the host waits for), against a pipelined all_reduce of the smallest size that
+takes the pipeline (two chunks), in one run.
 
     torchrun --nproc_per_node 2 benchmarks/bench_agreement_check.py [--repeats 50] [--out FILE.json]
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import offload_shim
-from offload_shim import _config, _pipeline
+from offload_shim import _config, _execute, _plan
 
 
 def main() -> None:
@@ -35,18 +36,24 @@ def main() -> None:
     chunk = _config.settings().chunk_bytes
     tensor = torch.ones(2 * chunk // 4).pin_memory()
     group = dist.group.WORLD
-    flat = tensor.view(-1)
+    chunks = _plan.Chunks("all_reduce", tensor.numel() * 4, chunk, dist.get_world_size(), tensor.dtype, chunk)
+
+    def check() -> None:  # as a synchronous chunked call runs it
+        agreement = _execute._agreement(chunks, device)
+        _execute._launch_agreement(group, agreement).wait()
+        _execute._check_agreement(group, agreement.tolist(), chunks, "torch.distributed.all_reduce")
+
     times = {"check": [], "all_reduce": []}
     for _ in range(5):  # warm up: communicators, pools
         dist.all_reduce(tensor)
-        _pipeline._agree(group, device, "torch.distributed.all_reduce", flat.numel(), flat.dtype, chunk)
+        check()
     for index in range(2 * args.repeats):
         side = ("check", "all_reduce")[(index + index // 2) % 2]  # alternate, in blocks that swap order
         dist.barrier()
         torch.cuda.synchronize()
         start = time.perf_counter()
         if side == "check":
-            _pipeline._agree(group, device, "torch.distributed.all_reduce", flat.numel(), flat.dtype, chunk)
+            check()
         else:
             dist.all_reduce(tensor)
         times[side].append(time.perf_counter() - start)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import wrapt
 
 import offload_shim
-from offload_shim import _config, _pipeline
+from offload_shim import _config, _execute, _groups, _staging
 
 MiB = 1 << 20
 
@@ -174,7 +174,7 @@ def main() -> None:
 
     if wanted is None or "pageable_timeline" in wanted:
         spent = {"host_copies": 0.0, "copy_after": 0.0, "agree": 0.0, "calls": 0}
-        originals = (_pipeline._host_copies, _pipeline._copy_after, _pipeline._agree)
+        originals = (_staging.host_copies, _execute._copy_after, _execute._launch_agreement)
 
         def timed(key, fn):
             def run(*a, **k):
@@ -185,9 +185,9 @@ def main() -> None:
                     spent[key] += time.perf_counter() - start
             return run
 
-        _pipeline._host_copies = timed("host_copies", originals[0])
-        _pipeline._copy_after = timed("copy_after", originals[1])
-        _pipeline._agree = timed("agree", originals[2])
+        _staging.host_copies = timed("host_copies", originals[0])
+        _execute._copy_after = timed("copy_after", originals[1])
+        _execute._launch_agreement = timed("agree", originals[2])
         t = torch.ones(64 * MiB)
         dist.all_reduce(t)
         total = float("inf")
@@ -199,23 +199,23 @@ def main() -> None:
             start = time.perf_counter()
             dist.all_reduce(t)
             total = time.perf_counter() - start
-        _pipeline._host_copies, _pipeline._copy_after, _pipeline._agree = originals
+        _staging.host_copies, _execute._copy_after, _execute._launch_agreement = originals
         say("pageable_256MiB_last_call_ms", {"total": total * 1e3, **{k: v * 1e3 for k, v in spent.items() if k != "calls"}})
 
     if wanted is None or "copies" in wanted:
         src = torch.ones(4 * MiB)  # 16 MiB pageable
         dst = torch.empty(4 * MiB, pin_memory=True)
         out = {}
-        threads_default, piece_default = _pipeline.copy_threads, _pipeline.MIN_THREADED_COPY_BYTES
+        threads_default, piece_default = _staging.copy_threads, _staging.MIN_THREADED_COPY_BYTES
         for threads in (1, 4, 8, 16, 32):
             for piece in (1 * MiB, 4 * MiB):
-                _pipeline.copy_threads = lambda threads=threads: threads
-                _pipeline.MIN_THREADED_COPY_BYTES = piece
-                _pipeline._copy_pool.clear()
+                _staging.copy_threads = lambda threads=threads: threads
+                _staging.MIN_THREADED_COPY_BYTES = piece
+                _staging._copy_pool.clear()
                 out[f"{threads}_threads_{piece >> 20}MiB_pieces"] = 16 * MiB / best(
-                    lambda: _pipeline._host_copies([(dst, src)]), 20, 10, sync=False) / 1e9
-        _pipeline.copy_threads, _pipeline.MIN_THREADED_COPY_BYTES = threads_default, piece_default
-        _pipeline._copy_pool.clear()
+                    lambda: _staging.host_copies([(dst, src)]), 20, 10, sync=False) / 1e9
+        _staging.copy_threads, _staging.MIN_THREADED_COPY_BYTES = threads_default, piece_default
+        _staging._copy_pool.clear()
         say("host_copy_16MiB_GBps", out)
 
     if wanted is None or "pageable" in wanted or "pinned" in wanted:
@@ -228,10 +228,12 @@ def main() -> None:
             for chunk in (8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB):
                 for slots in (2, 3):
                     offload_shim.configure(chunk_bytes=chunk)
-                    _pipeline.SLOTS = slots
+                    _groups.SLOTS = slots
+                    offload_shim.release_buffers()  # pools are made with the slots of their time
                     out[f"{'pinned' if pinned else 'pageable'}_{chunk >> 20}MiB_{slots}slots_ms"] = best(
                         lambda: dist.all_reduce(t), 1, 4) * 1e3
-        _pipeline.SLOTS = 2
+        _groups.SLOTS = 2
+        offload_shim.release_buffers()
         offload_shim.configure(chunk_bytes=default)
         say("all_reduce_256MiB", out)
         if wanted is None or "pageable" in wanted:
@@ -251,7 +253,7 @@ def main() -> None:
         for chunk in (8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB):
             offload_shim.configure(chunk_bytes=chunk)
             out[f"{chunk >> 20}MiB_ms"] = best(lambda: model.weight.full_tensor(), 1, 5) * 1e3
-            _pipeline.release_buffers()
+            offload_shim.release_buffers()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()

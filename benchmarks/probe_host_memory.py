@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import offload_shim
-from offload_shim import _pipeline
+from offload_shim import _execute, _staging
 
 MiB = 1 << 20
 
@@ -132,24 +132,25 @@ def main() -> None:
     if wanted is None or "pipeline" in wanted:
         t = torch.ones(nbytes // 4)
         spent = {"host_copies": 0.0, "copy_out_wait": 0.0}
-        original_copies, original_out = _pipeline._host_copies, _pipeline._copy_out
+        original_copies, original_out = _staging.host_copies, _execute._copy_after
 
         def timed_copies(pairs):
             start = time.perf_counter()
             original_copies(pairs)
             spent["host_copies"] += time.perf_counter() - start
 
-        def timed_out(entry):
+        def timed_out(event, pairs):
             start = time.perf_counter()
-            entry[0].synchronize()
+            if event is not None:
+                event.synchronize()
             spent["copy_out_wait"] += time.perf_counter() - start
-            original_out(entry)
+            original_out(None, pairs)
 
         for chunk in (4 * MiB, 16 * MiB, 64 * MiB):
             for piece in (1 * MiB, 4 * MiB):
                 offload_shim.configure(chunk_bytes=chunk)
-                _pipeline.MIN_THREADED_COPY_BYTES = piece
-                _pipeline._host_copies, _pipeline._copy_out = timed_copies, timed_out
+                _staging.MIN_THREADED_COPY_BYTES = piece
+                _staging.host_copies, _execute._copy_after = timed_copies, timed_out
                 total = float("inf")
                 for r in range(4):
                     spent.update(host_copies=0.0, copy_out_wait=0.0)
@@ -159,9 +160,9 @@ def main() -> None:
                     elapsed = time.perf_counter() - start
                     if r and elapsed < total:
                         total, parts = elapsed, dict(spent)
-                _pipeline._host_copies, _pipeline._copy_out = original_copies, original_out
+                _staging.host_copies, _execute._copy_after = original_copies, original_out
                 say(f"pageable all_reduce 256 MiB, chunk {chunk >> 20} MiB, pieces {piece >> 20} MiB", {"total": total, **parts})
-        _pipeline.MIN_THREADED_COPY_BYTES = 4 * MiB
+        _staging.MIN_THREADED_COPY_BYTES = 4 * MiB
         offload_shim.configure(chunk_bytes=16 * MiB)
 
     if wanted is None or "small" in wanted:
