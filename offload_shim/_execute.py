@@ -277,21 +277,6 @@ def _launcher(chunks: Chunks, call):
             return gather(group, slot[: world * count], slot[rank * count : (rank + 1) * count], options)
 
         return launch
-    method, options = _elementwise_method(chunks, call)
-    dtype = chunks.dtype
-    complex_ = dtype.is_complex  # reduced as real pairs, as torch's all_reduce and reduce do
-
-    def launch(index: int, slot: torch.Tensor):
-        typed = slot[: _count(chunks, index)].view(dtype)
-        return method(group, [torch.view_as_real(typed) if complex_ else typed], options)
-
-    return launch
-
-
-def _elementwise_method(chunks: Chunks, call):
-    """``(method, options)``: the group's method for an elementwise chunk (``allreduce``, ``broadcast``,
-    ``reduce``, looked up on its type) and torch's options for it, asynchronous."""
-    group, kind = call.group, chunks.kind
     if kind == "all_reduce":
         method, options = type(group).allreduce, _c10d.AllreduceOptions()
         options.reduceOp = call.op
@@ -302,7 +287,14 @@ def _elementwise_method(chunks: Chunks, call):
         method, options = type(group).reduce, _c10d.ReduceOptions()
         options.reduceOp, options.rootRank = call.op, call.root_rank
     options.asyncOp = True
-    return method, options
+    dtype = chunks.dtype
+    complex_ = dtype.is_complex  # reduced as real pairs, as torch's all_reduce and reduce do
+
+    def launch(index: int, slot: torch.Tensor):
+        typed = slot[: _count(chunks, index)].view(dtype)
+        return method(group, [torch.view_as_real(typed) if complex_ else typed], options)
+
+    return launch
 
 
 def _count(chunks: Chunks, index: int) -> int:
