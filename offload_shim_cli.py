@@ -176,9 +176,10 @@ def _info() -> int:
         ("torch.backends entry point", entry_points or "not registered (is the package installed?)"),
         (_config.ENV_ENABLE, os.environ.get(_config.ENV_ENABLE, "<unset>")),
         ("settings", offload_shim.settings()),
-        ("installed (import offload_shim)", offload_shim.is_installed()),
+        ("installed", f"{offload_shim.is_installed()} (this command imported offload_shim, which installs it)"),
         ("wrapped so far", ", ".join(sorted(offload_shim.wrapped_functions())) or "-"),
-        ("", "(DTensor and functional collectives are wrapped when torch imports their modules)"),
+        ("", "(the functional collectives' Python functions are wrapped when torch imports their module; the "
+             "collective ops of compiled code, the functional collectives and DTensor at install)"),
     ]
     for key, value in rows:
         print(f"{key:30s} {value}")

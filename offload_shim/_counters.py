@@ -3,9 +3,9 @@ staged call from each line of code, and the table printed at exit (``OFFLOAD_SHI
 
 Every staged call but a replayed one (below) reports here from two places, in one thread:
 
-* its staging decision, :func:`decided`: ``_devices._staging_through``, which every decision to stage a call on a
+* its staging decision, :func:`decided`: ``_plan._decided``, which every decision to stage a call on a
   process group passes (the ``torch.distributed`` collectives in place, on lists and point-to-point, the
-  functional collectives, ``DTensor.full_tensor``, the ``CPU`` kernels of compiled collectives), and
+  ``CPU`` kernels of the collective ops that compiled code, the functional collectives and DTensor run), and
   ``_communicators._call`` for registered communicators, which decide for themselves. It keeps, for this thread,
   the route, the staging device and the time; where the ``offload_shim`` logger is enabled for INFO (the one
   question the decision asks the logger, where it asked for DEBUG before) and the call site has not been logged,
@@ -193,9 +193,9 @@ def staging_counters() -> Mapping[StagingKey, StagingCount]:
         finds it too) to ``StagingCount(calls, bytes, seconds)``:
 
         * ``op``: the collective as offload_shim names it: ``'torch.distributed.all_reduce'``,
-          ``'torch.distributed._functional_collectives.all_gather_single'``, ``'DTensor.full_tensor'``,
-          ``'torch.ops._c10d_functional.all_reduce'``, or a registered communicator's method
-          (``'module.Class.method'``).
+          ``'torch.ops._c10d_functional.all_reduce'`` (compiled code, the functional collectives, DTensor),
+          ``'torch.distributed._functional_collectives.all_gather_single'`` (a functional collective's accelerator
+          input through the host), or a registered communicator's method (``'module.Class.method'``).
         * ``route``, what took the call off torch's own path: ``'staged'`` (the group has no backend for CPU, e.g.
           NCCL only; for a communicator, a tensor not on its device), ``'routed'`` (a group with Gloo for CPU and
           another backend for the accelerator, and a call of at least ``route_min_bytes``), ``'mixed'`` (host
@@ -203,11 +203,11 @@ def staging_counters() -> Mapping[StagingKey, StagingCount]:
           ``'forced'`` (``always_stage``, and nothing else).
         * ``mode``: ``'small'`` (a synchronous ``all_reduce``, ``broadcast`` or ``reduce`` of at most 1 MiB
           through this thread's reused buffer), ``'whole'`` (each tensor copied whole), ``'pipelined'``
-          (in chunks: those three collectives and ``full_tensor`` of ``Shard(0)``, from two chunks).
+          (in chunks: those three collectives and ``all_gather_into_tensor``, from two chunks).
         * ``calls``: staged calls, those that raised included.
         * ``bytes``: the sizes of the caller's tensors each call staged: its host tensor arguments, inputs and the
           outputs it writes into, each once (an ``all_reduce``'s tensor counts once, though copied both ways); a
-          tensor the call returns new (functional collectives, ``full_tensor``) is not counted.
+          tensor the call returns new (the functional ops' results) is not counted.
         * ``seconds``: wall-clock seconds (``time.perf_counter``) from the staging decision until the call
           returned, its copies included; for an asynchronous call (``async_op=True``, ``isend``, ``irecv``,
           ``batch_isend_irecv``) until it returned its handle: what ``wait()`` does later is not counted.
