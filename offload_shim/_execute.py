@@ -226,11 +226,13 @@ def _new_like(tensor: torch.Tensor, shape, device) -> torch.Tensor:
 
 
 def _host_bytes(tensor: torch.Tensor, device, reads: bool, register: bool = False):
-    """``(flat bytes, copy_back)``: ``tensor``'s own memory as bytes where it is contiguous (written through
-    ``.data``, as torch's C++ writes: no version counter bump), else a contiguous pinned copy (holding its values
-    where ``reads``) and the function that writes that copy back into ``tensor``. Obtained before any chunk is sent."""
+    """``(flat bytes, copy_back)``: ``tensor``'s own memory as bytes where it is contiguous and its bytes are its
+    values (written through ``.data``, as torch's C++ writes: no version counter bump), else a contiguous pinned copy
+    (holding its values where ``reads``: a lazily conjugated or negated view's values, as for a call staged whole)
+    and the function that writes that copy back into ``tensor``, through the view. Obtained before any chunk is
+    sent."""
     _staging.finish_writes_to([tensor])
-    if tensor.is_contiguous():
+    if tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
         if register:
             _registration.register_for_staging(tensor, device)  # pageable: registered at its reuse, if set
         return _staging.bits(tensor.data.reshape(-1)).view(torch.uint8), None

@@ -320,6 +320,24 @@ def check_async_chunked_out_of_order(pageable_path):
         _execute.PAGEABLE_PATH = path
 
 
+def check_lazy_views_chunked_or_not():
+    """A lazily conjugated or negated view is staged by its values, chunked or not, and written back through it:
+    reading the view gives the reduction (broadcast) of the values read through the views, as the same call on their
+    resolved copies does."""
+    for chunk_bytes in (16, 1 << 20):  # chunked (tens of chunks), and one collective
+        for make in (lambda t: torch.complex(t, -t).conj(), torch._neg_view):
+            base = rank_input((37,), torch.float32, seed=9)
+            for call in ("all_reduce", "broadcast"):
+                view = make(base.clone())
+                expected = view.resolve_conj().resolve_neg().clone()
+                with configured(always_stage=False):  # torch's own call, on the resolved copy
+                    getattr(dist, call)(expected, **({"src": 1} if call == "broadcast" else {}))
+                with staging_through_cpu(chunk_bytes=chunk_bytes):
+                    getattr(dist, call)(view, **({"src": 1} if call == "broadcast" else {}))
+                assert view.is_conj() or view.is_neg()
+                assert same_bits(view.resolve_conj().resolve_neg(), expected), (chunk_bytes, call, view.dtype)
+
+
 def same_input(shape, dtype, seed):
     """The same tensor on every rank."""
     generator = torch.Generator().manual_seed(seed)
@@ -435,6 +453,10 @@ def test_broadcast_chunked(gloo_ranks, pageable_path, asynchronous):
 @pytest.mark.parametrize("pageable_path", ["bounce", "driver"])
 def test_async_chunked_waited_late_and_out_of_order(gloo_ranks, pageable_path):
     gloo_ranks.run(check_async_chunked_out_of_order, pageable_path)
+
+
+def test_lazy_views_chunked_or_not(gloo_ranks):
+    gloo_ranks.run(check_lazy_views_chunked_or_not)
 
 
 def test_full_tensor_chunked(gloo_ranks):
