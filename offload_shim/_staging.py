@@ -488,7 +488,41 @@ def _wait_if_alive(handle: weakref.ref) -> None:
         work.wait()
 
 
-class StagedWork(dist.Work):
+class _StagedHandle(dist.Work):
+    """What the work handles of staged calls share: ``synchronize()``, ``block_current_stream()`` and ``result()``
+    end as ``wait()`` does (the results are host memory: nothing to order on a stream), and what describes the
+    collective rather than the copies is its own handle's answer (its errors included: Gloo's ``sourceRank()`` of a
+    send, ``getDuration()``; torch's test_send_recv_any_source asks ``_source_rank()`` of an irecv from any
+    source). Subclasses set ``_works``, ``_tensors`` and :meth:`wait`."""
+
+    def _described_by(self):
+        """The handle that describes the collective: its first."""
+        return self._works[0]
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return list(self._tensors)
+
+    def source_rank(self) -> int:
+        return self._described_by().source_rank()
+
+    def _source_rank(self) -> int:
+        return self._described_by()._source_rank()
+
+    def _get_op_type(self) -> int:
+        return self._described_by()._get_op_type()
+
+    def _get_duration(self) -> float:
+        return self._described_by()._get_duration()
+
+
+class StagedWork(_StagedHandle):
     """Work handle of an asynchronous call run on staged tensors.
 
     Until the call is finished, the caller's tensors it writes hold what they held before the call: results are
@@ -560,12 +594,6 @@ class StagedWork(dist.Work):
                 self._finished = True
         return True
 
-    def synchronize(self) -> None:
-        self.wait()
-
-    def block_current_stream(self) -> None:
-        self.wait()
-
     def is_completed(self) -> bool:
         if self._finished or self._error is not None:
             return True
@@ -594,21 +622,6 @@ class StagedWork(dist.Work):
                 return error
         return None
 
-    # What describes the collective rather than the copies is the collective's own handle's answer (its errors
-    # included: Gloo's sourceRank() of a send, getDuration()): torch's test_send_recv_any_source asks
-    # _source_rank() of an irecv from any source.
-    def source_rank(self) -> int:
-        return self._works[0].source_rank()
-
-    def _source_rank(self) -> int:
-        return self._works[0]._source_rank()
-
-    def _get_op_type(self) -> int:
-        return self._works[0]._get_op_type()
-
-    def _get_duration(self) -> float:
-        return self._works[0]._get_duration()
-
     def get_future_result(self) -> torch.futures.Future:
         """A future of the collective's ``WorkResult`` (an int), as its own handle's: only where that handle has
         one (NCCL; Gloo raises, as torch's does); completed once the caller's tensors hold the result."""
@@ -628,10 +641,6 @@ class StagedWork(dist.Work):
 
         results.add_done_callback(finished)
         return done
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return list(self._tensors)
 
     def get_future(self) -> torch.futures.Future:
         """A future of the caller's tensors, completed once they hold the result, or with torch's exception."""
@@ -660,7 +669,7 @@ class StagedWork(dist.Work):
         return done
 
 
-class BackgroundWork(dist.Work):
+class BackgroundWork(_StagedHandle):
     """Work handle of an asynchronous chunked call: every collective of the call was issued before the handle was
     returned, and a background task (``completion``, a ``concurrent.futures`` future) waits for them and copies the
     results into the caller's tensors as they complete, as torch's own backends write an asynchronous call's
@@ -689,11 +698,8 @@ class BackgroundWork(dist.Work):
         self._completion.result()
         return True
 
-    def synchronize(self) -> None:
-        self.wait()
-
-    def block_current_stream(self) -> None:
-        self.wait()
+    def _described_by(self):
+        return self._works[-1]  # a chunk's (the first is the ranks' agreement)
 
     def is_completed(self) -> bool:
         return self._completion.done()
@@ -703,22 +709,6 @@ class BackgroundWork(dist.Work):
 
     def exception(self):
         return self._completion.exception() if self._completion.done() else None
-
-    def source_rank(self) -> int:
-        return self._works[-1].source_rank()
-
-    def _source_rank(self) -> int:
-        return self._works[-1]._source_rank()
-
-    def _get_op_type(self) -> int:
-        return self._works[-1]._get_op_type()
-
-    def _get_duration(self) -> float:
-        return self._works[-1]._get_duration()
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return list(self._tensors)
 
     def get_future(self) -> torch.futures.Future:
         """A future of the caller's tensors, completed once they hold the result, or with the call's error."""
