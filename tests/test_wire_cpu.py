@@ -13,7 +13,10 @@ torch's Python functions), at a chunk size drawn for the case, so that some call
 * every result equals torch's own call on the same group (unstaged), bit for bit: the values are small integers,
   so that a sum is exact in any order and any chunking.
 
-The number of cases run is printed at the end of the run. Compiled entry points are compiled once per entry and
+Every ``torch.distributed`` entry of the table is drawn, and the ``torch.ops`` collectives the functional
+collectives, DTensor and compiled code reach (their in-place forms too); not the ops only compiled code of in-place
+calls reaches (``all_reduce_``, ``broadcast_``, the ``_out`` forms), nor DTensor's all-to-all op. The number of
+cases run is printed at the end of the run. Compiled entry points are compiled once per entry and
 rank process (dynamic shapes) and reused.
 """
 
@@ -37,19 +40,30 @@ from ranks import RankPool
 
 # Entry points each collective can be reached by: what one rank may use while its peers use another.
 ENTRIES = {
-    "all_reduce": ["eager", "eager_async", "funcol", "compiled"],
+    "all_reduce": ["eager", "eager_async", "funcol", "funcol_inplace", "compiled"],
     "broadcast": ["eager_src", "eager_group_src", "eager_async", "funcol"],
     "reduce": ["eager", "eager_group_dst", "eager_async"],
-    "all_gather_into_tensor": ["eager", "eager_single", "eager_async", "funcol", "compiled", "full_tensor",
-                               "full_tensor_grad_placements"],
-    "reduce_scatter_tensor": ["eager", "eager_async", "funcol"],
+    "all_gather_into_tensor": ["eager", "eager_single", "eager_async", "funcol", "funcol_inplace", "compiled",
+                               "full_tensor", "full_tensor_grad_placements"],
+    "reduce_scatter_tensor": ["eager", "eager_single", "eager_async", "funcol", "funcol_inplace"],  # (see below)
+    "reduce_scatter": ["eager", "eager_async"],
     "all_reduce_coalesced": ["eager", "eager_async", "funcol"],
+    "all_gather_coalesced": ["eager", "eager_async"],
+    # The functional coalesced forms are collectives of their own (Gloo runs all_gather_coalesced as one gather of
+    # the flattened list, all_gather_into_tensor_coalesced as one per tensor): their ranks all call them.
+    "all_gather_into_tensor_coalesced": ["funcol"],
+    "reduce_scatter_tensor_coalesced": ["funcol"],
     "all_gather": ["eager", "eager_async"],
-    "all_to_all_single": ["eager", "eager_async", "funcol"],  # splits per rank
+    "all_to_all_single": ["eager", "eager_async", "funcol", "funcol_inplace"],  # splits per rank
+    "all_to_all": ["eager", "eager_async"],  # lists (of one size: Gloo's list all-to-all takes one)
     "gather": ["eager", "eager_async"],
     "scatter": ["eager", "eager_async"],
     "send_recv": ["blocking", "isend_irecv", "batch"],
 }
+# torch 2.11 has neither all_gather_single nor reduce_scatter_single.
+for _name, _function in (("all_gather_into_tensor", "all_gather_single"), ("reduce_scatter_tensor", "reduce_scatter_single")):
+    if not hasattr(dist, _function):
+        ENTRIES[_name].remove("eager_single")
 # Where torch takes any strides and a tensor that requires grad (an input only read, or written in place from C++).
 STRIDED = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
            "gather", "scatter"}
@@ -166,6 +180,9 @@ def _launch(call: Call, choice: Choice, group, reference: bool):
         tensor = make(mine)
         if entry == "funcol":
             return None, [funcol.all_reduce(tensor, call.op.lower(), group)]
+        if entry == "funcol_inplace":
+            with torch.no_grad() if tensor.requires_grad else _null():
+                return None, [funcol.all_reduce_inplace(tensor, call.op.lower(), group)]
         if entry == "compiled":
             return None, [_compile("all_reduce_" + call.op, lambda t, g, o=call.op.lower(): funcol.all_reduce(t, o, g))(
                 tensor, group)]
@@ -202,6 +219,8 @@ def _launch(call: Call, choice: Choice, group, reference: bool):
             kwargs = {"grad_placements": [Replicate()]} if entry.endswith("grad_placements") else {}
             return None, [sharded.full_tensor(**kwargs)]
         out = torch.empty(world * call.numel, dtype=mine.dtype)
+        if entry == "funcol_inplace":
+            return None, [funcol.all_gather_tensor_inplace(out, tensor, group)]
         function = dist.all_gather_single if entry == "eager_single" else dist.all_gather_into_tensor
         return function(out, tensor, group=group, async_op=asynchronous), [out]
     if name == "reduce_scatter_tensor":
@@ -209,7 +228,25 @@ def _launch(call: Call, choice: Choice, group, reference: bool):
         if entry == "funcol":
             return None, [funcol.reduce_scatter_tensor(tensor, call.op.lower(), 0, group)]
         out = torch.empty(call.numel, dtype=mine.dtype)
-        return dist.reduce_scatter_tensor(out, tensor, op=op, group=group, async_op=asynchronous), [out]
+        if entry == "funcol_inplace":
+            return None, [funcol.reduce_scatter_tensor_inplace(out, tensor, call.op.lower(), group)]
+        function = dist.reduce_scatter_single if entry == "eager_single" else dist.reduce_scatter_tensor
+        return function(out, tensor, op=op, group=group, async_op=asynchronous), [out]
+    if name == "reduce_scatter":
+        ins = [make(_values(call, shape, ("input", rank, r))) for r in range(world)]
+        out = torch.empty(call.numel, dtype=mine.dtype)
+        return dist.reduce_scatter(out, ins, op=op, group=group, async_op=asynchronous), [out]
+    if name == "all_gather_into_tensor_coalesced":
+        return None, funcol.all_gather_into_tensor_coalesced([make(mine), make(_values(call, (3,), ("second", rank)))],
+                                                             group)
+    if name == "all_gather_coalesced":
+        ins = [make(mine), make(_values(call, (3,), ("second", rank)))]
+        outs = [[torch.empty(t.shape, dtype=t.dtype) for t in ins] for _ in range(world)]  # [rank][input]
+        work = dist.all_gather_coalesced(outs, ins, group=group, async_op=asynchronous)
+        return work, [t for each in outs for t in each]
+    if name == "reduce_scatter_tensor_coalesced":
+        ins = [make(_values(call, (world * call.numel,), ("input", rank))), make(_values(call, (world * 2,), ("second", rank)))]
+        return None, funcol.reduce_scatter_tensor_coalesced(ins, call.op.lower(), [0, 0], group)
     if name == "all_reduce_coalesced":
         tensors = [make(mine), make(_values(call, (3,), ("second", rank)))]
         if entry == "funcol":
@@ -225,7 +262,13 @@ def _launch(call: Call, choice: Choice, group, reference: bool):
         if entry == "funcol":
             return None, [funcol.all_to_all_single(tensor, receive, send, group)]
         out = torch.empty(sum(receive), dtype=mine.dtype)
+        if entry == "funcol_inplace":
+            return None, [funcol.all_to_all_inplace(out, tensor, receive, send, group)]
         return dist.all_to_all_single(out, tensor, receive, send, group=group, async_op=asynchronous), [out]
+    if name == "all_to_all":
+        ins = [make(_values(call, shape, ("input", rank, r))) for r in range(world)]
+        outs = [torch.empty(call.numel, dtype=mine.dtype) for _ in range(world)]
+        return dist.all_to_all(outs, ins, group=group, async_op=asynchronous), outs
     if name == "gather":
         tensor = make(mine)
         outs = [torch.empty(call.numel, dtype=mine.dtype) for _ in range(world)] if rank == call.root else None
