@@ -4,7 +4,8 @@
 # 1. installs offload_shim (editable, so its torch.backends entry point is live) and records the versions;
 # 2. runs the one-GPU tests (tests/test_one_gpu.py: compiled code on a one-rank NCCL group, and compiled code and
 #    asynchronous calls on two ranks sharing the GPU through cuda:gloo);
-# 3. runs the CPU tests of torch's semantics, activation and the contracts on this machine's torch.
+# 3. runs the CPU tests of torch's semantics, activation, the contracts and the wire on this machine's torch
+#    (8 workers; -rfE names each failure).
 # Logs go to OUTDIR (default: $OUT, else ./gpu-results).
 set -u -o pipefail
 out=${1:-${OUT:-gpu-results}}
@@ -20,5 +21,5 @@ export PYTHONUNBUFFERED=1
 } > "$out/env.log" 2>&1
 python3 -m pytest -o addopts="" -m gpu -v -p no:cacheprovider tests/test_one_gpu.py 2>&1 | tee "$out/one_gpu_tests.log"
 rc=$?
-python3 -m pytest -o addopts="-n 4" -q -p no:cacheprovider ${CPU_TESTS:-tests/test_torch_semantics_cpu.py tests/test_host_staging_cpu.py tests/test_activation.py tests/test_contracts_cpu.py} > "$out/cpu_tests.log" 2>&1
+python3 -m pytest -o addopts="-n 8" -q -rfE -p no:cacheprovider ${CPU_TESTS:-tests/test_torch_semantics_cpu.py tests/test_host_staging_cpu.py tests/test_activation.py tests/test_contracts_cpu.py tests/test_wire_cpu.py tests/test_ranks_choose_cpu.py} > "$out/cpu_tests.log" 2>&1
 exit $(( rc | $? ))
