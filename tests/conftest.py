@@ -59,6 +59,14 @@ def gloo_ranks():
     pool.close()
 
 
+@pytest.fixture(scope="session")
+def three_gloo_ranks():
+    """Three ranks of a Gloo group (serves CPU)."""
+    pool = RankPool(world_size=3, backend="gloo")
+    yield pool
+    pool.close()
+
+
 def accelerator_rank_pool(world_size: int) -> RankPool:
     """``world_size`` ranks, each on accelerator ``rank % device_count``, of a group whose only backend is the
     accelerator's (NCCL on CUDA)."""

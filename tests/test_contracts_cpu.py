@@ -8,18 +8,10 @@ import hypothesis
 import pytest
 
 import contracts
-from ranks import RankPool
 
 # Per test (a 3-rank case costs about twice a 2-rank one); the run reports the total, at least 1,500 in every CI
 # run (about 45 s of it on two cores); the GPU run draws 2,000 (tests/test_gpu_contracts.py).
 EXAMPLES = {2: 1300, 3: 250}
-
-
-@pytest.fixture(scope="module")
-def three_gloo_ranks():
-    pool = RankPool(world_size=3, backend="gloo")
-    yield pool
-    pool.close()
 
 
 def _run(pool, case, record_property):

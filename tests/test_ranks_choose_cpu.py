@@ -23,17 +23,9 @@ import offload_shim
 import recording
 from bitwise import same_bits
 from observe import configured
-from ranks import RankPool
 from test_staging_cpu import rank_input, staging_through_cpu
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def three_ranks():
-    pool = RankPool(world_size=3, backend="gloo")
-    yield pool
-    pool.close()
 
 
 def _group(timeout_s: float = 60):
@@ -127,8 +119,8 @@ def check_chunk_size_on_one_rank():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_row_4_chunk_size_on_one_rank(gloo_ranks, three_ranks, world):
-    results = (gloo_ranks if world == 2 else three_ranks).run(check_chunk_size_on_one_rank)
+def test_row_4_chunk_size_on_one_rank(gloo_ranks, three_gloo_ranks, world):
+    results = (gloo_ranks if world == 2 else three_gloo_ranks).run(check_chunk_size_on_one_rank)
     messages = {message for message, _ in results}
     assert len(messages) == 1, messages  # the same error on every rank
     (message,) = messages
@@ -217,8 +209,8 @@ def check_async_then_another_collective():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_async_call_keeps_its_place_in_the_groups_order(gloo_ranks, three_ranks, world):
-    (gloo_ranks if world == 2 else three_ranks).run(check_async_then_another_collective)
+def test_async_call_keeps_its_place_in_the_groups_order(gloo_ranks, three_gloo_ranks, world):
+    (gloo_ranks if world == 2 else three_gloo_ranks).run(check_async_then_another_collective)
 
 
 # ---------------------------------------------------------------- two threads, two groups, opposite orders

@@ -22,6 +22,7 @@ rank process (dynamic shapes) and reused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
 
@@ -32,11 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+import contracts
 import offload_shim
 import recording
 from bitwise import same_bits
 from observe import configured
-from ranks import RankPool
 
 # Entry points each collective can be reached by: what one rank may use while its peers use another.
 ENTRIES = {
@@ -181,12 +182,12 @@ def _launch(call: Call, choice: Choice, group, reference: bool):
         if entry == "funcol":
             return None, [funcol.all_reduce(tensor, call.op.lower(), group)]
         if entry == "funcol_inplace":
-            with torch.no_grad() if tensor.requires_grad else _null():
+            with torch.no_grad() if tensor.requires_grad else contextlib.nullcontext():
                 return None, [funcol.all_reduce_inplace(tensor, call.op.lower(), group)]
         if entry == "compiled":
             return None, [_compile("all_reduce_" + call.op, lambda t, g, o=call.op.lower(): funcol.all_reduce(t, o, g))(
                 tensor, group)]
-        with torch.no_grad() if tensor.requires_grad else _null():
+        with torch.no_grad() if tensor.requires_grad else contextlib.nullcontext():
             return dist.all_reduce(tensor, op=op, group=group, async_op=asynchronous), [tensor]
     if name == "broadcast":
         tensor = make(mine)
@@ -284,9 +285,9 @@ def _launch(call: Call, choice: Choice, group, reference: bool):
     if entry == "batch":
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group_peer=to, group=group),
                                         dist.P2POp(dist.irecv, receive, group_peer=frm, group=group)])
-        return _Both(works), [receive]
+        return contracts._Both(works), [receive]
     if entry == "isend_irecv":
-        return _Both([dist.isend(send, group_dst=to, group=group), dist.irecv(receive, group_src=frm, group=group)]), [receive]
+        return contracts._Both([dist.isend(send, group_dst=to, group=group), dist.irecv(receive, group_src=frm, group=group)]), [receive]
     if rank % 2 == 0:
         dist.send(send, group_dst=to, group=group)
         dist.recv(receive, group_src=frm, group=group)
@@ -294,23 +295,6 @@ def _launch(call: Call, choice: Choice, group, reference: bool):
         dist.recv(receive, group_src=frm, group=group)
         dist.send(send, group_dst=to, group=group)
     return None, [receive]
-
-
-class _Both:
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for work in self.works:
-            work.wait()
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _plain(result) -> torch.Tensor:
@@ -350,13 +334,6 @@ def check_wire(case_calls, chunk_bytes, orders):
 # ---------------------------------------------------------------- the tests
 
 
-@pytest.fixture(scope="module")
-def three_ranks():
-    pool = RankPool(world_size=3, backend="gloo")
-    yield pool
-    pool.close()
-
-
 def _run(pool, case, record_property):
     case_calls, chunk_bytes, orders = case
     records = pool.run(check_wire, case_calls, chunk_bytes, [list(order) for order in orders])
@@ -377,5 +354,5 @@ def test_every_rank_sends_the_same_collectives_two_ranks(gloo_ranks, record_prop
 @hypothesis.seed(20261202)
 @hypothesis.settings(max_examples=EXAMPLES[3], **SETTINGS)
 @hypothesis.given(case=cases(3))
-def test_every_rank_sends_the_same_collectives_three_ranks(three_ranks, record_property, case):
-    _run(three_ranks, case, record_property)
+def test_every_rank_sends_the_same_collectives_three_ranks(three_gloo_ranks, record_property, case):
+    _run(three_gloo_ranks, case, record_property)
