@@ -324,23 +324,21 @@ def _slot_bytes(chunks: Chunks, index: int) -> int:
 
 def _agreement(chunks: Chunks, device) -> torch.Tensor:
     """This rank's ``[code, -code]`` on ``device`` (int64), a fresh tensor for the agreement's collective to write:
-    a copy, queued on the current stream, of a constant kept per device and code (copied from pinned memory once),
-    so that no call waits for the host or for work queued before it."""
+    a copy, queued on the current stream, of a constant kept per device and code (made once, and complete before
+    any stream reads it), so that no call waits for the host or for work queued before it."""
     key = (device, *chunks.code())
-    known = _agreements.get(key)
-    if known is None:
+    constant = _agreements.get(key)
+    if constant is None:
         code = key[1:]
-        host = torch.tensor([*code, *(-v for v in code)], dtype=torch.int64, pin_memory=device.type != "cpu")
         if len(_agreements) >= 256:  # sizes seen once: keep the table small
             _agreements.clear()
-        stream = _staging.current_stream(device)
-        known = _agreements[key] = (host.to(device, non_blocking=True), stream.record_event())
-    constant, ready = known
-    _staging.current_stream(device).wait_event(ready)  # (made on another stream, maybe)
+        constant = torch.tensor([*code, *(-v for v in code)], dtype=torch.int64, device=device)
+        _staging.current_stream(device).synchronize()  # once per code: any stream may read it from now on
+        _agreements[key] = constant
     return constant.clone()
 
 
-_agreements: dict = {}  # (device, *code) -> (constant agreement tensor, event after its copy)
+_agreements: dict = {}  # (device, *code) -> constant agreement tensor
 
 
 def _launch_agreement(group, tensor: torch.Tensor):
@@ -481,44 +479,42 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
     group, rank = call.group, call.group.rank()
     # Before the wire: accelerator memory for every chunk, and pinned bounce buffers for pageable memory.
     sizes = [_slot_bytes(chunks, index) for index in range(chunks.count)]
-    offsets = [sum(sizes[:index]) for index in range(chunks.count)]
     with torch.inference_mode(False):
-        memory = torch.empty(max(1, sum(sizes)), dtype=torch.uint8, device=device)
+        memory = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     bounce_in = PAGEABLE_PATH == "bounce" and reads and not _staging._is_pinned(source)
     bounce_out = PAGEABLE_PATH == "bounce" and writes and not _staging._is_pinned(dest)
     buffers_in = [_groups.host_buffer(chunks.step, device) for _ in range(2)] if bounce_in else None
     buffers_out = [_groups.host_buffer(max(sizes), device) for _ in range(2)] if bounce_out else None
     h2d, d2h = _staging.new_stream(device), _staging.new_stream(device)
     agreement = _agreement(chunks, device)
+    slots = memory.split(sizes)
+    ins = [_ins(chunks, index, source, rank) for index in range(chunks.count)] if reads else None
     works, free, copies_in = [], [None, None], {}
     lane_in = _groups.lane(group, "in") if bounce_in else None
 
     def copy_in(index: int) -> None:
-        _, view = _ins(chunks, index, source, rank)
+        view = ins[index][1]
         copies_in[index] = lane_in.submit(_copy_after, free[index % 2], [(buffers_in[index % 2][: view.numel()], view)])
 
-    with _staging.staged_call(), torch.no_grad():
-        h2d.wait_stream(_staging.current_stream(device))
-        with h2d:
-            works.append(_launch_agreement(group, agreement))
+    h2d.wait_stream(_staging.current_stream(device))
+    with _staging.staged_call(), torch.no_grad(), h2d:  # every H2D and collective queued on the H2D stream
+        works.append(_launch_agreement(group, agreement))
         try:
             if bounce_in:
                 copy_in(0)
-            for index in range(chunks.count):
-                slot = memory[offsets[index] : offsets[index] + sizes[index]]
-                with h2d:
-                    if reads:
-                        offset, view = _ins(chunks, index, source, rank)
-                        origin = view
-                        if bounce_in:
-                            copies_in.pop(index).result()
-                            origin = buffers_in[index % 2][: view.numel()]
-                        slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
-                        if bounce_in:
-                            free[index % 2] = h2d.record_event()
-                            if index + 1 < chunks.count:
-                                copy_in(index + 1)
-                    works.append(launch(index, slot))
+            for index, slot in enumerate(slots):
+                if reads:
+                    offset, view = ins[index]
+                    origin = view
+                    if bounce_in:
+                        copies_in.pop(index).result()
+                        origin = buffers_in[index % 2][: view.numel()]
+                    slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
+                    if bounce_in:
+                        free[index % 2] = h2d.record_event()
+                        if index + 1 < chunks.count:
+                            copy_in(index + 1)
+                works.append(launch(index, slot))
         except BaseException:
             _settle(copies_in.values(), quietly=True)
             raise
@@ -531,8 +527,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                 values = agreement.tolist()
             _check_agreement(group, values, chunks, call.entry.label)
             pending = None  # (event, pairs) of the previous chunk's copy out of its bounce buffer
-            for index in range(chunks.count):
-                slot = memory[offsets[index] : offsets[index] + sizes[index]]
+            for index, slot in enumerate(slots):
                 with d2h:
                     works[index + 1].wait()
                     if writes and bounce_out:

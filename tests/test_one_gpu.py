@@ -136,7 +136,19 @@ def test_async_call_never_waits_for_peers_one_gpu(shared_gpu_ranks, pinned):
     shared_gpu_ranks.run(check_async_call_never_waits_for_peers, 1 << 20, pinned)
 
 
-def check_async_on_a_stream_ordered_backend(pinned):
+def _difference(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """How ``actual`` differs from ``expected``: which elements, how many, the first one's values."""
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return f"{actual.dtype} {tuple(actual.shape)} against {expected.dtype} {tuple(expected.shape)}"
+    wrong = (actual.reshape(-1) != expected.reshape(-1)).nonzero().reshape(-1)
+    if not wrong.numel():
+        return "same values, other bits"
+    first = int(wrong[0])
+    return (f"{wrong.numel()} of {actual.numel()} elements differ, indices {first} to {int(wrong[-1])}; "
+            f"at {first}: {actual.reshape(-1)[first].item()} against {expected.reshape(-1)[first].item()}")
+
+
+def check_async_on_a_stream_ordered_backend(pinned, graphs=True):
     """On NCCL (its work handles order the GPU's streams, where Gloo's block the host): asynchronous calls of every
     chunked kind, pinned or pageable, contiguous or not, each followed at once by a sync collective on the same
     group; after ``wait()`` each equals torch's call on a GPU copy, bit for bit, written in place."""
@@ -149,7 +161,7 @@ def check_async_on_a_stream_ordered_backend(pinned):
         return values
 
     offload_shim.install()
-    with configured(chunk_bytes=1 << 16):
+    with configured(chunk_bytes=1 << 16, graphs=graphs):
         dist.all_reduce(torch.ones(1), group=group)  # the group's agreement
         offload_shim.reset_staging_counters()
         contiguous = host(torch.arange(numel, dtype=torch.float32) * 0.5)
@@ -172,9 +184,9 @@ def check_async_on_a_stream_ordered_backend(pinned):
         for work in works:
             work.wait()
         assert [result is contiguous for result in works[0].result()] == [True]
-    assert same_bits(contiguous, expected[0]), "contiguous"
-    assert same_bits(strided, expected[1]), "strided"
-    assert same_bits(gathered, expected[2]), "gathered"
+    for name, actual, wanted in (("contiguous", contiguous, expected[0]), ("strided", strided, expected[1]),
+                                 ("gathered", gathered, expected[2])):
+        assert same_bits(actual, wanted), f"{name}: {_difference(actual, wanted)}"
     assert flag.item() == dist.get_world_size() ** 2
     assert not same_bits(contiguous, torch.arange(numel, dtype=torch.float32) * 0.5)  # written
     assert strided.is_contiguous() is False and contiguous.is_pinned() is pinned
@@ -182,9 +194,10 @@ def check_async_on_a_stream_ordered_backend(pinned):
     assert counts.get("pipelined") == 3, counts
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "no-graphs"])
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
-def test_async_on_a_stream_ordered_backend_one_rank(nccl_rank, pinned):
-    nccl_rank.run(check_async_on_a_stream_ordered_backend, pinned)
+def test_async_on_a_stream_ordered_backend_one_rank(nccl_rank, pinned, graphs):
+    nccl_rank.run(check_async_on_a_stream_ordered_backend, pinned, graphs)
 
 
 def test_two_threads_on_two_groups_in_opposite_orders_one_gpu(shared_gpu_ranks):
