@@ -342,9 +342,11 @@ _agreements: dict = {}  # (device, *code) -> constant agreement tensor
 
 
 def _launch_agreement(group, tensor: torch.Tensor):
-    options = _c10d.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MAX
-    return type(group).allreduce(group, [tensor], options)  # (looked up as the chunks' launches are)
+    return type(group).allreduce(group, [tensor], _AGREEMENT_OPTIONS)  # (looked up as the chunks' launches are)
+
+
+_AGREEMENT_OPTIONS = _c10d.AllreduceOptions()
+_AGREEMENT_OPTIONS.reduceOp = dist.ReduceOp.MAX
 
 
 def _check_agreement(group, values: list[int], chunks: Chunks, collective: str) -> None:
@@ -469,27 +471,47 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
     done.synchronize()
 
 
+def _stream_ordered(group, device) -> bool:
+    """Whether the backend that runs ``group``'s collectives on ``device`` orders them on the device's streams (a work
+    handle's ``wait()`` makes the current stream wait, and returns at once): one that serves that accelerator only
+    (NCCL, HCCL, XCCL), as torch records its backends (``Backend.backend_capability``). One that also serves the
+    host (Gloo, MPI, UCC) runs them from the host, and its ``wait()`` blocks."""
+    if device.type == "cpu":
+        return False
+    name = _devices.backend_for(group, device.type)
+    return "cpu" not in dist.Backend.backend_capability.get(name or "", ("cpu",))
+
+
 def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back_out):
     """Issue every chunk of an asynchronous call and return its handle (see the module docstring): accelerator
     memory for every chunk, so that no chunk waits for another's; every H2D and every collective queued before this
-    returns; a task on the group's completion lane waits for each chunk (the host waits where the backend's
-    ``wait()`` blocks, as Gloo's; its D2H stream where the backend orders the device's streams, as NCCL's), copies it
-    back, and ends the handle's wait."""
+    returns. Where the backend orders the device's streams (:func:`_stream_ordered`, NCCL's), each chunk's D2H is
+    queued here too, behind its collective, into the caller's pinned memory or a pinned landing; a task on the
+    group's completion lane checks the ranks' agreement, copies landed chunks into the caller's pageable memory, and
+    ends the handle's wait. Elsewhere (Gloo, staging through the host: ``wait()`` blocks) that task waits for each
+    chunk, copies it back, and ends the handle's wait."""
     call, chunks, device = plan.call, plan.chunks, plan.device
     group, rank = call.group, call.group.rank()
-    # Before the wire: accelerator memory for every chunk, and pinned bounce buffers for pageable memory.
+    ordered = _stream_ordered(group, device)
+    # Before the wire: accelerator memory for every chunk, and pinned host memory for pageable memory.
     sizes = [_slot_bytes(chunks, index) for index in range(chunks.count)]
     with torch.inference_mode(False):
         memory = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        agreed = torch.empty(8, dtype=torch.int64, pin_memory=device.type != "cpu") if ordered else None
     bounce_in = PAGEABLE_PATH == "bounce" and reads and not _staging._is_pinned(source)
     bounce_out = PAGEABLE_PATH == "bounce" and writes and not _staging._is_pinned(dest)
     buffers_in = [_groups.host_buffer(chunks.step, device) for _ in range(2)] if bounce_in else None
-    buffers_out = [_groups.host_buffer(max(sizes), device) for _ in range(2)] if bounce_out else None
+    landing = buffers_out = None  # stream-ordered, every chunk lands at once; otherwise two at a time
+    if bounce_out and ordered:
+        landing = _groups.host_buffer(memory.numel(), device).split(sizes)
+    elif bounce_out:
+        buffers_out = [_groups.host_buffer(max(sizes), device) for _ in range(2)]
     h2d, d2h = _staging.new_stream(device), _staging.new_stream(device)
     agreement = _agreement(chunks, device)
     slots = memory.split(sizes)
     ins = [_ins(chunks, index, source, rank) for index in range(chunks.count)] if reads else None
-    works, free, copies_in = [], [None, None], {}
+    outs = [_outs(chunks, index, dest) for index in range(chunks.count)] if writes else None
+    works, free, copies_in, landed = [], [None, None], {}, []
     lane_in = _groups.lane(group, "in") if bounce_in else None
 
     def copy_in(index: int) -> None:
@@ -497,28 +519,58 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
         copies_in[index] = lane_in.submit(_copy_after, free[index % 2], [(buffers_in[index % 2][: view.numel()], view)])
 
     h2d.wait_stream(_staging.current_stream(device))
-    with _staging.staged_call(), torch.no_grad(), h2d:  # every H2D and collective queued on the H2D stream
-        works.append(_launch_agreement(group, agreement))
-        try:
-            if bounce_in:
-                copy_in(0)
-            for index, slot in enumerate(slots):
-                if reads:
-                    offset, view = ins[index]
-                    origin = view
-                    if bounce_in:
-                        copies_in.pop(index).result()
-                        origin = buffers_in[index % 2][: view.numel()]
-                    slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
-                    if bounce_in:
-                        free[index % 2] = h2d.record_event()
-                        if index + 1 < chunks.count:
-                            copy_in(index + 1)
-                works.append(launch(index, slot))
-        except BaseException:
-            _settle(copies_in.values(), quietly=True)
-            raise
+    with _staging.staged_call(), torch.no_grad():
+        with h2d:  # every H2D and collective queued on the H2D stream
+            works.append(_launch_agreement(group, agreement))
+            try:
+                if bounce_in:
+                    copy_in(0)
+                for index, slot in enumerate(slots):
+                    if reads:
+                        offset, view = ins[index]
+                        origin = view
+                        if bounce_in:
+                            copies_in.pop(index).result()
+                            origin = buffers_in[index % 2][: view.numel()]
+                        slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
+                        if bounce_in:
+                            free[index % 2] = h2d.record_event()
+                            if index + 1 < chunks.count:
+                                copy_in(index + 1)
+                    works.append(launch(index, slot))
+            except BaseException:
+                _settle(copies_in.values(), quietly=True)
+                raise
+        if ordered:  # each D2H queued behind its chunk's collective: the host waits for nothing here
+            with d2h, _staging.writable(dest):
+                works[0].wait()
+                agreed.copy_(agreement, non_blocking=True)
+                checkable = d2h.record_event()
+                for index, slot in enumerate(slots if writes else ()):
+                    works[index + 1].wait()
+                    if landing is not None:
+                        landing[index].copy_(slot, non_blocking=True)
+                        landed.append(d2h.record_event())
+                    else:
+                        for offset, view in outs[index]:
+                            view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
     read = h2d.record_event()  # the caller's memory has been read once this has completed
+
+    def complete_ordered() -> None:
+        try:
+            checkable.synchronize()
+            _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
+            with torch.no_grad(), _staging.writable(dest):
+                for index, event in enumerate(landed):  # into pageable memory as each chunk lands
+                    event.synchronize()
+                    _staging.host_copies([(view, landing[index][offset : offset + view.numel()])
+                                          for offset, view in outs[index]])
+        finally:  # the staging memory is in use until every queued copy has run
+            d2h.synchronize()
+            read.synchronize()
+        if back_out is not None:
+            with torch.no_grad():
+                back_out()
 
     def complete() -> None:
         with torch.no_grad(), _staging.writable(dest):
@@ -531,15 +583,15 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                 with d2h:
                     works[index + 1].wait()
                     if writes and bounce_out:
-                        landing = buffers_out[index % 2]
-                        landing[: sizes[index]].copy_(slot, non_blocking=True)
+                        bounce = buffers_out[index % 2]
+                        bounce[: sizes[index]].copy_(slot, non_blocking=True)
                         event = d2h.record_event()
                         if pending is not None:
                             _copy_after(*pending)
-                        pending = (event, [(view, landing[offset : offset + view.numel()])
-                                           for offset, view in _outs(chunks, index, dest)])
+                        pending = (event, [(view, bounce[offset : offset + view.numel()])
+                                           for offset, view in outs[index]])
                     elif writes:
-                        for offset, view in _outs(chunks, index, dest):
+                        for offset, view in outs[index]:
                             view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
             if pending is not None:
                 _copy_after(*pending)
@@ -548,7 +600,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
             if back_out is not None:
                 back_out()
 
-    completion = _groups.completion_lane(group).submit(complete)
+    completion = _groups.completion_lane(group).submit(complete_ordered if ordered else complete)
     caller = call.values[call.entry.args[0].name if call.entry.wire == ELEMENTWISE else _written(call.entry)]
     return _staging.BackgroundWork(works, completion, [caller], [caller] if writes else [])
 

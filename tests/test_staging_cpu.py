@@ -272,7 +272,20 @@ def test_clip_grad_norm_on_dtensor(gloo_ranks, norm_type):
 # ---------------------------------------------------------------- the chunked pipeline
 
 
-def check_broadcast_chunked(pageable_path, asynchronous):
+@contextlib.contextmanager
+def stream_ordered(ordered: bool):
+    """Run the async executor's stream-ordered path (NCCL's: every copy queued by the caller) where ``ordered``: on
+    the CPU each copy and collective completes where it is queued, so its results are the path's own."""
+    original = _execute._stream_ordered
+    if ordered:
+        _execute._stream_ordered = lambda group, device: True
+    try:
+        yield
+    finally:
+        _execute._stream_ordered = original
+
+
+def check_broadcast_chunked(pageable_path, asynchronous, ordered=False):
     path, _execute.PAGEABLE_PATH = _execute.PAGEABLE_PATH, pageable_path
     try:
         for src in (0, 1):
@@ -280,7 +293,7 @@ def check_broadcast_chunked(pageable_path, asynchronous):
             expected = base.clone()
             dist.broadcast(expected, src=src)
             tensor = base.clone()
-            with staging_through_cpu(chunk_bytes=40):  # 5 float64 per chunk, 8 chunks, the last one short
+            with staging_through_cpu(chunk_bytes=40), stream_ordered(ordered):  # 5 float64 a chunk, 8 chunks
                 poison_staging_buffers()
                 work = dist.broadcast(tensor, src=src, async_op=asynchronous)
                 poison_staging_buffers()
@@ -291,7 +304,7 @@ def check_broadcast_chunked(pageable_path, asynchronous):
         _execute.PAGEABLE_PATH = path
 
 
-def check_async_chunked_out_of_order(pageable_path):
+def check_async_chunked_out_of_order(pageable_path, ordered=False):
     """Three async calls share the pool's buffers; they are waited late, in reverse order, with the buffers
     poisoned in between, and a synchronous call made before any wait (one of them complex, reduced as real pairs)."""
     path, _execute.PAGEABLE_PATH = _execute.PAGEABLE_PATH, pageable_path
@@ -301,7 +314,7 @@ def check_async_chunked_out_of_order(pageable_path):
         expected = [t.clone() for t in inputs]
         for t in expected:
             dist.all_reduce(t)
-        with staging_through_cpu(chunk_bytes=16):
+        with staging_through_cpu(chunk_bytes=16), stream_ordered(ordered):
             works = [dist.all_reduce(t, async_op=True) for t in inputs]
             poison_staging_buffers()
             middle = rank_input((21,), torch.float32, seed=4)
@@ -445,14 +458,15 @@ def check_full_tensor_chunked():
 
 
 @pytest.mark.parametrize("pageable_path", ["bounce", "driver"])
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("asynchronous", ["sync", "async", "async_stream_ordered"])
 def test_broadcast_chunked(gloo_ranks, pageable_path, asynchronous):
-    gloo_ranks.run(check_broadcast_chunked, pageable_path, asynchronous)
+    gloo_ranks.run(check_broadcast_chunked, pageable_path, asynchronous != "sync", asynchronous.endswith("ordered"))
 
 
 @pytest.mark.parametrize("pageable_path", ["bounce", "driver"])
-def test_async_chunked_waited_late_and_out_of_order(gloo_ranks, pageable_path):
-    gloo_ranks.run(check_async_chunked_out_of_order, pageable_path)
+@pytest.mark.parametrize("ordered", [False, True], ids=["host_completing", "stream_ordered"])
+def test_async_chunked_waited_late_and_out_of_order(gloo_ranks, pageable_path, ordered):
+    gloo_ranks.run(check_async_chunked_out_of_order, pageable_path, ordered)
 
 
 def test_lazy_views_chunked_or_not(gloo_ranks):
