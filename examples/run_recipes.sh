@@ -4,7 +4,9 @@
 # Writes two files: OUTDIR/recipes.log (versions, then every run's output between "=== run NAME" lines) and
 # OUTDIR/recipes.json (per run: command, exit code, expected and actual outcome, whether they match, torch's error
 # and where in the recipe it was raised, the figures of the recipe's RESULT line; the Gloo-against-shim time ratios).
-# Expected: without the shim, rl_weight_sync fails with torch's "No backend type associated with device type cpu";
+# Expected: without the shim, rl_weight_sync and the metric recipes (accelerate_metrics, lightning_sync_dist,
+# torchmetrics_cpu, broadcast_size) fail with torch's "No backend type associated with device type cpu" (or NCCL's
+# "Tensors must be CUDA and dense");
 # accelerate_fsdp2, lightning_fsdp2 and dcp_fsdp2 fail with it on 2 ranks or more and pass on one (DTensor runs no
 # collective on a one-rank mesh); accelerate_launch_env and rl_weight_sync --backend cpu:gloo,cuda:nccl pass over
 # Gloo, timed. With OFFLOAD_SHIM=1 every run passes. Installs nothing: offload_shim must be installed (its
@@ -24,7 +26,7 @@ dtensor=$([ "$nproc" -ge 2 ] && echo fail || echo ok)  # DTensor's collectives: 
   echo "run_recipes.sh, $(date -u), commit $(git rev-parse --short HEAD 2>/dev/null), NPROC $nproc"
   python3 - <<'PY'
 import importlib.metadata as m
-for name in ("torch", "accelerate", "transformers", "lightning", "wrapt", "offload_shim"):
+for name in ("torch", "accelerate", "transformers", "lightning", "torchmetrics", "wrapt", "offload_shim"):
     try:
         print(name, m.version(name))
     except m.PackageNotFoundError:
@@ -66,12 +68,16 @@ run rl_weight_sync/no-shim fail rl_weight_sync OFFLOAD_SHIM=0 --
 run rl_weight_sync/shim ok rl_weight_sync OFFLOAD_SHIM=1 --
 run rl_weight_sync/gloo ok rl_weight_sync OFFLOAD_SHIM=0 -- --backend cpu:gloo,cuda:nccl
 run rl_weight_sync/gloo-shim ok rl_weight_sync OFFLOAD_SHIM=1 -- --backend cpu:gloo,cuda:nccl
+for recipe in accelerate_metrics lightning_sync_dist torchmetrics_cpu broadcast_size; do  # metrics and logging
+  run $recipe/no-shim fail $recipe OFFLOAD_SHIM=0 --
+  run $recipe/shim ok $recipe OFFLOAD_SHIM=1 --
+done
 
 python3 - "$runs" "$out/recipes.json" "$nproc" <<'PY' 2>&1 | tee -a "$log"
 import json, os, re, sys
 
 runs_dir, path, nproc = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ERROR = "No backend type associated with device type cpu"
+ERRORS = ("No backend type associated with device type cpu", "Tensors must be CUDA and dense")
 index = os.path.join(runs_dir, "index.tsv")
 runs = []
 for line in open(index).read().splitlines() if os.path.exists(index) else []:
@@ -98,7 +104,7 @@ for line in open(index).read().splitlines() if os.path.exists(index) else []:
         code = re.sub(r"^\[rank\d+\]: ", "", lines[i + 1]).strip() if i + 1 < len(lines) else ""
         failed_at = f"{where.group(1)}:{where.group(2)}: {code}"
     rc = int(rc)
-    outcome = "ok" if rc == 0 and result.get("status") == "ok" else ("fail" if ERROR in text else "other")
+    outcome = "ok" if rc == 0 and result.get("status") == "ok" else ("fail" if any(e in text for e in ERRORS) else "other")
     runs.append({
         "name": name, "recipe": recipe, "command": command, "nproc": nproc, "exit_code": rc,
         "seconds": int(seconds), "expected": expect, "outcome": outcome, "matched": outcome == expect,

@@ -511,20 +511,56 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
     slots = memory.split(sizes)
     ins = [_ins(chunks, index, source, rank) for index in range(chunks.count)] if reads else None
     outs = [_outs(chunks, index, dest) for index in range(chunks.count)] if writes else None
-    works, free, copies_in, landed = [], [None, None], {}, []
+    works, free, copies_in, copies_out = [], [None, None], {}, []
     lane_in = _groups.lane(group, "in") if bounce_in else None
+    lane_out = _groups.lane(group, "out") if landing is not None else None
+    failed = []  # the agreement's error, for the out lane's later tasks
 
     def copy_in(index: int) -> None:
         view = ins[index][1]
         copies_in[index] = lane_in.submit(_copy_after, free[index % 2], [(buffers_in[index % 2][: view.numel()], view)])
 
+    def check(event) -> None:  # the out lane's first task: before any copy into the caller's pageable memory
+        event.synchronize()
+        try:
+            _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
+        except StagingError as error:
+            failed.append(error)
+            raise
+
+    def copy_out(event, pairs) -> None:
+        if not failed:
+            _copy_after(event, pairs)
+
+    def back(index: int, slot) -> None:  # on the D2H stream: chunk ``index``'s D2H, behind its collective
+        works[index + 1].wait()
+        if landing is None:
+            for offset, view in outs[index]:
+                view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
+            return
+        land = landing[index]
+        land.copy_(slot, non_blocking=True)
+        pairs = [(view, land[offset : offset + view.numel()]) for offset, view in outs[index]]
+        copies_out.append(lane_out.submit(copy_out, d2h.record_event(), pairs))
+
+    # Stream-ordered: each chunk's D2H is queued behind its collective, so the host waits for nothing; in the same
+    # pass as its H2D where the caller waits for host copies in anyway (pageable input), else after every launch.
+    interleaved = ordered and writes and bounce_in
     h2d.wait_stream(_staging.current_stream(device))
-    with _staging.staged_call(), torch.no_grad():
-        with h2d:  # every H2D and collective queued on the H2D stream
-            works.append(_launch_agreement(group, agreement))
-            try:
-                if bounce_in:
-                    copy_in(0)
+    with _staging.staged_call(), torch.no_grad(), _staging.writable(dest):
+        try:
+            with h2d:  # every H2D and collective queued on the H2D stream
+                works.append(_launch_agreement(group, agreement))
+            if ordered:
+                with d2h:
+                    works[0].wait()
+                    agreed.copy_(agreement, non_blocking=True)
+                    checkable = d2h.record_event()
+                if lane_out is not None:
+                    copies_out.append(lane_out.submit(check, checkable))
+            if bounce_in:
+                copy_in(0)
+            with h2d:
                 for index, slot in enumerate(slots):
                     if reads:
                         offset, view = ins[index]
@@ -538,33 +574,24 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                             if index + 1 < chunks.count:
                                 copy_in(index + 1)
                     works.append(launch(index, slot))
-            except BaseException:
-                _settle(copies_in.values(), quietly=True)
-                raise
-        if ordered:  # each D2H queued behind its chunk's collective: the host waits for nothing here
-            with d2h, _staging.writable(dest):
-                works[0].wait()
-                agreed.copy_(agreement, non_blocking=True)
-                checkable = d2h.record_event()
-                for index, slot in enumerate(slots if writes else ()):
-                    works[index + 1].wait()
-                    if landing is not None:
-                        landing[index].copy_(slot, non_blocking=True)
-                        landed.append(d2h.record_event())
-                    else:
-                        for offset, view in outs[index]:
-                            view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
+                    if interleaved:
+                        with d2h:
+                            back(index, slot)
+            if ordered and writes and not interleaved:
+                with d2h:
+                    for index, slot in enumerate(slots):
+                        back(index, slot)
+        except BaseException:
+            _settle([*copies_in.values(), *copies_out], quietly=True)
+            raise
     read = h2d.record_event()  # the caller's memory has been read once this has completed
 
     def complete_ordered() -> None:
         try:
-            checkable.synchronize()
-            _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
-            with torch.no_grad(), _staging.writable(dest):
-                for index, event in enumerate(landed):  # into pageable memory as each chunk lands
-                    event.synchronize()
-                    _staging.host_copies([(view, landing[index][offset : offset + view.numel()])
-                                          for offset, view in outs[index]])
+            if lane_out is None:
+                checkable.synchronize()
+                _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
+            _settle(copies_out)  # (the agreement checked first)
         finally:  # the staging memory is in use until every queued copy has run
             d2h.synchronize()
             read.synchronize()
