@@ -15,15 +15,18 @@ A pipelined call sends the same collectives, synchronous or not. Synchronous (:f
 group's pool (``_groups.pool``), chunk ``i`` in slot ``i % 2``: H2D on the pool's H2D stream after the slot's
 previous D2H, the collective launched with the H2D stream current (the backend's stream waits on that copy), D2H on
 the pool's D2H stream after the collective; so a chunk's collective overlaps the next chunk's H2D and the previous
-one's D2H. Asynchronous (:func:`_run_async`): accelerator memory for every chunk, so that no chunk waits for
-another to free a slot: every H2D and every collective is issued before the call returns its handle, the call
-keeping its place in the group's order, and a task on the group's completion lane waits for each chunk in turn,
-copies it back into the caller's tensor and ends the handle's wait. Pageable host memory
-goes through two pinned bounce buffers per direction: host copies into them on the group's ``in`` lane, out of
-them on its ``out`` lane (or on the completion lane), beside the DMA. A pinned (or registered) tensor is copied to
-and from directly. Chunk collectives are the group's own methods of torch's collectives (``allreduce``,
-``broadcast``, ``reduce``, ``all_gather_single``) with torch's options, whatever the entry point: the same
-collectives for an eager, functional or compiled call.
+one's D2H. Asynchronous (:func:`_run_async`): every H2D and every collective is issued before the call returns its
+handle, the call keeping its place in the group's order; a task on the group's completion lane ends the handle's
+wait. On a backend that orders the device's streams (NCCL): pageable input is issued as the synchronous call issues
+it, the lane doing what the sync call does after its last chunk; pinned input gets accelerator memory for every
+chunk, and each chunk's D2H is queued at once behind its collective (into pageable output through a pinned landing,
+whose host copies wait for the ranks' agreement), so the call returns without waiting for the device. On a backend
+whose handles block the host (Gloo), accelerator memory for every chunk, and the lane waits for each chunk and
+copies it back. Pageable host memory goes through pinned bounce buffers: host copies into them on the group's
+``in`` lane, out of them on its ``out`` lane (or on the completion lane), beside the DMA. A pinned (or registered)
+tensor is copied to and from directly. Chunk collectives are the group's own methods of torch's collectives
+(``allreduce``, ``broadcast``, ``reduce``, ``all_gather_single``) with torch's options, whatever the entry point:
+the same collectives for an eager, functional or compiled call.
 
 Staging memory a call needs is obtained before anything is sent, so a rank that cannot get it raises before the
 wire, as a rank that raises in torch does.
@@ -293,7 +296,8 @@ def _launcher(chunks: Chunks, call):
     complex_ = dtype.is_complex  # reduced as real pairs, as torch's all_reduce and reduce do
 
     def launch(index: int, slot: torch.Tensor):
-        typed = slot[: _count(chunks, index)].view(dtype)
+        count = _count(chunks, index)
+        typed = (slot if slot.numel() == count else slot[:count]).view(dtype)
         return method(group, [torch.view_as_real(typed) if complex_ else typed], options)
 
     return launch
@@ -316,6 +320,26 @@ def _outs(chunks: Chunks, index: int, dest: torch.Tensor):
     if chunks.kind == "all_gather":
         return [(r * count, dest[r * chunks.total + start : r * chunks.total + start + count]) for r in range(chunks.world)]
     return [(0, dest[start : start + count])]
+
+
+def _all_ins(chunks: Chunks, source: torch.Tensor, rank: int) -> list:
+    """:func:`_ins` of every chunk (an elementwise call's cut in one call)."""
+    if chunks.kind == "all_gather":
+        return [_ins(chunks, index, source, rank) for index in range(chunks.count)]
+    return [(0, view) for view in source.split(chunks.step)]
+
+
+def _all_outs(chunks: Chunks, dest: torch.Tensor) -> list:
+    """:func:`_outs` of every chunk (an elementwise call's cut in one call)."""
+    if chunks.kind == "all_gather":
+        return [_outs(chunks, index, dest) for index in range(chunks.count)]
+    return [[(0, view)] for view in dest.split(chunks.step)]
+
+
+def _part(slot: torch.Tensor, offset: int, view: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``slot`` from ``offset`` that ``view`` is copied to or from (the slot itself, where they are all
+    of it: no slicing per chunk)."""
+    return slot if offset == 0 and view.numel() == slot.numel() else slot[offset : offset + view.numel()]
 
 
 def _slot_bytes(chunks: Chunks, index: int) -> int:
@@ -395,6 +419,13 @@ def _settle(futures, quietly: bool = False) -> None:
 def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> None:
     """The chunks through the group's pool, two in flight (see the module docstring); the caller's destination
     holds every chunk's result when this returns."""
+    _issue_pooled(plan, source, dest, launch, reads, writes)[1]()
+
+
+def _issue_pooled(plan: Plan, source, dest, launch, reads: bool, writes: bool):
+    """Issue the chunks through the group's pool, two in flight; return ``(works, finish)``: the chunks' work
+    handles, and ``finish()``, which waits for the last copies and gives the pool back, after which the caller's
+    destination holds every chunk's result. Every collective is issued before this returns."""
     call, chunks, device = plan.call, plan.chunks, plan.device
     group, rank = call.group, call.group.rank()
     pool = _groups.pool(device, max(chunks.chunk_bytes, chunks.slot_bytes, 16))
@@ -407,6 +438,7 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
     agreement = _agreement(chunks, device)
     copies_in = {}  # chunk -> future of its copy into a bounce buffer
     copies_out = [None] * slots  # slot -> future of the copy out of its bounce buffer
+    works = []
     lane_in = _groups.lane(group, "in") if bounce_in else None
     lane_out = _groups.lane(group, "out") if bounce_out else None
 
@@ -442,6 +474,7 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
                     _check_agreement(group, agreement.tolist(), chunks, call.entry.label)
                 with pool.h2d:
                     work = launch(index, slot)
+                works.append(work)
                 with pool.d2h:
                     work.wait()  # the D2H stream waits on the collective (Gloo: the collective has finished)
                 if writes:
@@ -461,14 +494,24 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
                                 view.copy_(slot[offset : offset + view.numel()], non_blocking=pinned_out)
                 pool.slot_free[s] = pool.d2h.record_event()
             done = pool.d2h.record_event()
-            _settle(copies_out)
     except BaseException:  # every copy this call started ends before the pool is given back
         _settle([*copies_in.values(), *copies_out], quietly=True)
         pool.synchronize()
-        raise
-    finally:
         _groups.give_back(pool)
-    done.synchronize()
+        raise
+
+    def finish() -> None:
+        try:
+            with torch.no_grad(), _staging.writable(dest):
+                _settle(copies_out)
+        except BaseException:
+            pool.synchronize()
+            raise
+        finally:
+            _groups.give_back(pool)
+        done.synchronize()
+
+    return works, finish
 
 
 def _stream_ordered(group, device) -> bool:
@@ -483,16 +526,31 @@ def _stream_ordered(group, device) -> bool:
 
 
 def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back_out):
-    """Issue every chunk of an asynchronous call and return its handle (see the module docstring): accelerator
-    memory for every chunk, so that no chunk waits for another's; every H2D and every collective queued before this
-    returns. Where the backend orders the device's streams (:func:`_stream_ordered`, NCCL's), each chunk's D2H is
-    queued here too, behind its collective, into the caller's pinned memory or a pinned landing; a task on the
-    group's completion lane checks the ranks' agreement, copies landed chunks into the caller's pageable memory, and
-    ends the handle's wait. Elsewhere (Gloo, staging through the host: ``wait()`` blocks) that task waits for each
-    chunk, copies it back, and ends the handle's wait."""
+    """Issue every chunk of an asynchronous call and return its handle (see the module docstring); every H2D and
+    every collective is queued before this returns. Where the backend orders the device's streams
+    (:func:`_stream_ordered`, NCCL's): pageable input goes as the synchronous call's does (the caller waits for its
+    host copies in either way), the completion lane doing what the sync call does after its last chunk; pinned
+    input gets accelerator memory for every chunk, so that nothing waits, and each chunk's D2H is queued here too,
+    behind its collective, into the caller's pinned memory or a pinned landing; the completion lane checks the
+    ranks' agreement, copies landed chunks into pageable memory, and ends the handle's wait. Elsewhere (Gloo,
+    staging through the host: ``wait()`` blocks), accelerator memory for every chunk, and the completion lane waits
+    for each chunk, copies it back, and ends the handle's wait."""
     call, chunks, device = plan.call, plan.chunks, plan.device
     group, rank = call.group, call.group.rank()
     ordered = _stream_ordered(group, device)
+    if ordered and PAGEABLE_PATH == "bounce" and reads and not _staging._is_pinned(source):
+        # Pageable input: the caller waits for its host copies in anyway. Issued as the synchronous call issues (two
+        # slots, host copies both ways beside the DMA), the call returns when the sync call has its input staged,
+        # and its completion lane does what the sync call does after its last chunk.
+        works, finish = _issue_pooled(plan, source, dest, launch, reads, writes)
+
+        def complete_pooled() -> None:
+            finish()
+            if back_out is not None:
+                with torch.no_grad():
+                    back_out()
+
+        return _handle(call, works, _groups.completion_lane(group).submit(complete_pooled), writes)
     # Before the wire: accelerator memory for every chunk, and pinned host memory for pageable memory.
     sizes = [_slot_bytes(chunks, index) for index in range(chunks.count)]
     with torch.inference_mode(False):
@@ -509,8 +567,8 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
     h2d, d2h = _staging.new_stream(device), _staging.new_stream(device)
     agreement = _agreement(chunks, device)
     slots = memory.split(sizes)
-    ins = [_ins(chunks, index, source, rank) for index in range(chunks.count)] if reads else None
-    outs = [_outs(chunks, index, dest) for index in range(chunks.count)] if writes else None
+    ins = _all_ins(chunks, source, rank) if reads else None
+    outs = _all_outs(chunks, dest) if writes else None
     works, free, copies_in, copies_out = [], [None, None], {}, []
     lane_in = _groups.lane(group, "in") if bounce_in else None
     lane_out = _groups.lane(group, "out") if landing is not None else None
@@ -536,16 +594,13 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
         works[index + 1].wait()
         if landing is None:
             for offset, view in outs[index]:
-                view.copy_(slot[offset : offset + view.numel()], non_blocking=True)
+                view.copy_(_part(slot, offset, view), non_blocking=True)
             return
         land = landing[index]
         land.copy_(slot, non_blocking=True)
         pairs = [(view, land[offset : offset + view.numel()]) for offset, view in outs[index]]
         copies_out.append(lane_out.submit(copy_out, d2h.record_event(), pairs))
 
-    # Stream-ordered: each chunk's D2H is queued behind its collective, so the host waits for nothing; in the same
-    # pass as its H2D where the caller waits for host copies in anyway (pageable input), else after every launch.
-    interleaved = ordered and writes and bounce_in
     h2d.wait_stream(_staging.current_stream(device))
     with _staging.staged_call(), torch.no_grad(), _staging.writable(dest):
         try:
@@ -568,16 +623,13 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                         if bounce_in:
                             copies_in.pop(index).result()
                             origin = buffers_in[index % 2][: view.numel()]
-                        slot[offset : offset + view.numel()].copy_(origin, non_blocking=True)
+                        _part(slot, offset, view).copy_(origin, non_blocking=True)
                         if bounce_in:
                             free[index % 2] = h2d.record_event()
                             if index + 1 < chunks.count:
                                 copy_in(index + 1)
                     works.append(launch(index, slot))
-                    if interleaved:
-                        with d2h:
-                            back(index, slot)
-            if ordered and writes and not interleaved:
+            if ordered and writes:  # each D2H queued behind its collective: the host waits for nothing here
                 with d2h:
                     for index, slot in enumerate(slots):
                         back(index, slot)
@@ -627,7 +679,12 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
             if back_out is not None:
                 back_out()
 
-    completion = _groups.completion_lane(group).submit(complete_ordered if ordered else complete)
+    return _handle(call, works, _groups.completion_lane(group).submit(complete_ordered if ordered else complete),
+                   writes)
+
+
+def _handle(call, works, completion, writes: bool):
+    """The work handle of an asynchronous chunked call whose ``completion`` (a future) ends its wait."""
     caller = call.values[call.entry.args[0].name if call.entry.wire == ELEMENTWISE else _written(call.entry)]
     return _staging.BackgroundWork(works, completion, [caller], [caller] if writes else [])
 

@@ -276,10 +276,12 @@ def completion_lane(group: dist.ProcessGroup) -> concurrent.futures.ThreadPoolEx
     return lane(group, "done")
 
 
-def pooled_buffers() -> list[torch.Tensor]:
-    """Every staging buffer the pools hold now (for tests that count them and poison them between uses)."""
+def pooled_buffers(busy: bool = True) -> list[torch.Tensor]:
+    """Every staging buffer the pools hold now, or with ``busy=False`` those of pools no call holds (what a later
+    call would take): for tests that count them and poison them between uses."""
     with _pools_lock:
-        return [buffer for each in (*_busy, *(p for idle in _idle.values() for p in idle)) for buffer in each.buffers()]
+        pools = (*(_busy if busy else ()), *(p for idle in _idle.values() for p in idle))
+        return [buffer for each in pools for buffer in each.buffers()]
 
 
 def forget(group: dist.ProcessGroup | None = None) -> None:

@@ -44,7 +44,9 @@ OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.
 
 
 def poison_staging_buffers():
-    for buffer in (*_groups.pooled_buffers(), *_staging.small_slot_buffers()):
+    """Poison the staging buffers a later call would take: the idle pools' (an asynchronous call holds its pool
+    until it completes) and the small calls' slots."""
+    for buffer in (*_groups.pooled_buffers(busy=False), *_staging.small_slot_buffers()):
         buffer.fill_(0xFF)  # NaN for every float dtype, -1 for signed integers
 
 

@@ -2,7 +2,8 @@
 
 A recipe calls :meth:`Report.attempt` once per operation and ends with :meth:`Report.finish`. Without the shim
 an operation on a NCCL-only group fails with torch's error, which is printed (its first line); with it the value
-is compared with the expected one (same values, on the CPU, where the caller made its tensors), and the call is
+is compared with the expected one (same values and dtype, on the expected device: the CPU, where the caller made
+its tensors, unless the framework makes its result elsewhere), and the call is
 timed where the recipe gives the same operation on accelerator tensors (which needs no staging) to time beside
 it: the minimum over ``ROUNDS`` calls, in microseconds. Rank 0 prints one ``RESULT`` line (``examples/run_recipes.sh`` reads it).
 """

@@ -7,7 +7,8 @@
 ``accelerate.utils.broadcast`` of tensors made on the CPU (a metric computed from CPU outputs, a count, a length):
 accelerate passes them to ``torch.distributed`` as they are, and on a NCCL group torch refuses them ("No backend
 type associated with device type cpu", accelerate PR #2180 added a message for it). With the shim each is staged
-through this rank's GPU and the result is the one the same call gives on GPU tensors, on the CPU. ``--backend``
+through this rank's GPU and the result is the one the same call gives on GPU tensors, where accelerate puts it: on
+the CPU, but for the gathers, whose output accelerate makes on its device. ``--backend``
 initialises the process group before accelerate does (``cuda:gloo`` shows torch's error on a CPU-only machine).
 """
 
@@ -42,8 +43,11 @@ def main() -> int:
     everyone = torch.cat([mine(k) for k in range(world)])
     report.attempt("reduce", lambda: accelerator.reduce(x, "sum"), everyone.view(world, 2).sum(0),
                    lambda: accelerator.reduce(x.to(device), "sum"))
-    report.attempt("gather", lambda: accelerator.gather(x), everyone, lambda: accelerator.gather(x.to(device)))
-    report.attempt("gather_for_metrics", lambda: accelerator.gather_for_metrics(x), everyone,
+    # accelerate gathers into a tensor it makes on its device (``_gpu_gather_one``): the result is there, as for
+    # accelerator tensors
+    report.attempt("gather", lambda: accelerator.gather(x), everyone.to(device),
+                   lambda: accelerator.gather(x.to(device)))
+    report.attempt("gather_for_metrics", lambda: accelerator.gather_for_metrics(x), everyone.to(device),
                    lambda: accelerator.gather_for_metrics(x.to(device)))
     ragged = torch.arange(rank + 1.0)  # one more element per rank: padded to the longest
     padded = torch.cat([ragged, torch.zeros(world - rank - 1)])
