@@ -422,10 +422,11 @@ def _run_sync(plan: Plan, source, dest, launch, reads: bool, writes: bool) -> No
     _issue_pooled(plan, source, dest, launch, reads, writes)[1]()
 
 
-def _issue_pooled(plan: Plan, source, dest, launch, reads: bool, writes: bool):
+def _issue_pooled(plan: Plan, source, dest, launch, reads: bool, writes: bool, defer_last: bool = False):
     """Issue the chunks through the group's pool, two in flight; return ``(works, finish)``: the chunks' work
     handles, and ``finish()``, which waits for the last copies and gives the pool back, after which the caller's
-    destination holds every chunk's result. Every collective is issued before this returns."""
+    destination holds every chunk's result. Every collective is issued before this returns; with ``defer_last``,
+    the last chunk's D2H and copy out are left to ``finish()`` (this returns once the last collective is issued)."""
     call, chunks, device = plan.call, plan.chunks, plan.device
     group, rank = call.group, call.group.rank()
     pool = _groups.pool(device, max(chunks.chunk_bytes, chunks.slot_bytes, 16))
@@ -438,7 +439,7 @@ def _issue_pooled(plan: Plan, source, dest, launch, reads: bool, writes: bool):
     agreement = _agreement(chunks, device)
     copies_in = {}  # chunk -> future of its copy into a bounce buffer
     copies_out = [None] * slots  # slot -> future of the copy out of its bounce buffer
-    works = []
+    works, done = [], []  # the chunks' work handles; the D2H stream's event after the last chunk
     lane_in = _groups.lane(group, "in") if bounce_in else None
     lane_out = _groups.lane(group, "out") if bounce_out else None
 
@@ -446,6 +447,28 @@ def _issue_pooled(plan: Plan, source, dest, launch, reads: bool, writes: bool):
         offset, view = _ins(chunks, index, source, rank)
         bounce = buffers_in[index % slots][offset : offset + view.numel()]
         copies_in[index] = lane_in.submit(_copy_after, pool.bounce_free[index % slots], [(bounce, view)])
+
+    def back(index: int) -> None:  # chunk ``index``'s D2H, behind its collective, and its copy out
+        s = index % slots
+        slot = pool.slots[s]
+        with pool.d2h:
+            works[index].wait()  # the D2H stream waits on the collective (Gloo: the collective has finished)
+        if writes:
+            if bounce_out:
+                if copies_out[s] is not None:  # that bounce buffer's last copy out has finished
+                    copies_out[s].result()
+                landing = buffers_out[s]
+                used = _slot_bytes(chunks, index)
+                with pool.d2h:
+                    landing[:used].copy_(slot[:used], non_blocking=True)
+                pairs = [(view, landing[offset : offset + view.numel()])
+                         for offset, view in _outs(chunks, index, dest)]
+                copies_out[s] = lane_out.submit(_copy_after, pool.d2h.record_event(), pairs)
+            else:
+                with pool.d2h:
+                    for offset, view in _outs(chunks, index, dest):
+                        view.copy_(slot[offset : offset + view.numel()], non_blocking=pinned_out)
+        pool.slot_free[s] = pool.d2h.record_event()
 
     try:
         with _staging.staged_call(), torch.no_grad(), _staging.writable(dest):
@@ -473,27 +496,11 @@ def _issue_pooled(plan: Plan, source, dest, launch, reads: bool, writes: bool):
                     _launch_agreement(group, agreement).wait()
                     _check_agreement(group, agreement.tolist(), chunks, call.entry.label)
                 with pool.h2d:
-                    work = launch(index, slot)
-                works.append(work)
-                with pool.d2h:
-                    work.wait()  # the D2H stream waits on the collective (Gloo: the collective has finished)
-                if writes:
-                    if bounce_out:
-                        if copies_out[s] is not None:  # that bounce buffer's last copy out has finished
-                            copies_out[s].result()
-                        landing = buffers_out[s]
-                        used = _slot_bytes(chunks, index)
-                        with pool.d2h:
-                            landing[:used].copy_(slot[:used], non_blocking=True)
-                        pairs = [(view, landing[offset : offset + view.numel()])
-                                 for offset, view in _outs(chunks, index, dest)]
-                        copies_out[s] = lane_out.submit(_copy_after, pool.d2h.record_event(), pairs)
-                    else:
-                        with pool.d2h:
-                            for offset, view in _outs(chunks, index, dest):
-                                view.copy_(slot[offset : offset + view.numel()], non_blocking=pinned_out)
-                pool.slot_free[s] = pool.d2h.record_event()
-            done = pool.d2h.record_event()
+                    works.append(launch(index, slot))
+                if index + 1 < chunks.count or not defer_last:
+                    back(index)
+            if not defer_last:
+                done.append(pool.d2h.record_event())
     except BaseException:  # every copy this call started ends before the pool is given back
         _settle([*copies_in.values(), *copies_out], quietly=True)
         pool.synchronize()
@@ -503,13 +510,16 @@ def _issue_pooled(plan: Plan, source, dest, launch, reads: bool, writes: bool):
     def finish() -> None:
         try:
             with torch.no_grad(), _staging.writable(dest):
+                if defer_last:
+                    back(chunks.count - 1)
+                    done.append(pool.d2h.record_event())
                 _settle(copies_out)
         except BaseException:
             pool.synchronize()
             raise
         finally:
             _groups.give_back(pool)
-        done.synchronize()
+        done[0].synchronize()
 
     return works, finish
 
@@ -542,7 +552,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
         # Pageable input: the caller waits for its host copies in anyway. Issued as the synchronous call issues (two
         # slots, host copies both ways beside the DMA), the call returns when the sync call has its input staged,
         # and its completion lane does what the sync call does after its last chunk.
-        works, finish = _issue_pooled(plan, source, dest, launch, reads, writes)
+        works, finish = _issue_pooled(plan, source, dest, launch, reads, writes, defer_last=True)
 
         def complete_pooled() -> None:
             finish()
