@@ -18,6 +18,7 @@ import torch.distributed._functional_collectives as funcol
 import offload_shim
 from observe import configured
 from offload_shim import _counters
+import versions
 
 THIS_MODULE = sys.modules[__name__]
 COMPILED = torch.ops._c10d_functional  # the ops compiled code calls, with offload_shim's CPU kernels
@@ -98,7 +99,7 @@ def check_counters():
             work.wait()
         # The functional collectives and DTensor reach the ops' CPU kernels, which count them by the op.
         funcol.all_reduce(torch.ones(6), "sum", dist.group.WORLD)  # the input only: the result is new
-        funcol.all_gather_single(torch.ones(3), 0, dist.group.WORLD)
+        versions.all_gather_single(torch.ones(3), 0, dist.group.WORLD)
         DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0)], run_check=False).full_tensor()  # under 2 chunks
         DTensor.from_local(torch.ones(16, 2), mesh, [Shard(0)], run_check=False).full_tensor()  # output 256 bytes
         # On a one-rank mesh torch's full_tensor communicates nothing, and is left to torch: not counted.
@@ -166,7 +167,7 @@ def check_first_staged_call_of_each_line_is_logged():
                 dist.all_reduce(torch.ones(4))  # two calls from one line: one log line
             dist.all_reduce(torch.ones(4))  # another line: logged
             dist.all_reduce(torch.ones(40))
-            funcol.all_gather_single(torch.ones(3), 0, dist.group.WORLD)
+            getattr(funcol, "all_gather_single", funcol.all_gather_tensor)(torch.ones(3), 0, dist.group.WORLD)
             COMPILED.wait_tensor(COMPILED.all_reduce(torch.ones(2), "sum", dist.group.WORLD.group_name))
             DTensor.from_local(torch.ones(16, 2), mesh, [Shard(0)], run_check=False).full_tensor()
             with configured(route_min_bytes=64):  # above the threshold, forced: the route says so, not routed

@@ -3,6 +3,7 @@ patches torch.distributed for real)."""
 
 import os
 
+import torch.distributed._functional_collectives as funcol
 from interpreters import python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -17,8 +18,10 @@ def test_other_patches_reloads_and_warning_locations():
     lines = result.stdout.splitlines()
     print("\n".join(lines))
     assert lines[0] == "orders of install, user patches, uninstall, reinstall checked: 60", lines
+    # torch 2.13 deprecates funcol.all_gather_tensor, whose warning the last check locates; 2.11 and 2.12 raise none
+    warns = hasattr(funcol, "all_gather_single")
     assert lines[1:] == [
         "a user wrapper without functools.wraps: staged once",
         "reloads of the package and its stateful modules: settings and wrappers kept",
-        "warnings inside wrapped calls point at the caller",
+        "warnings inside wrapped calls point at the caller" if warns else "torch raises no such warning here: not checked",
     ], lines

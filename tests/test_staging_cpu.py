@@ -19,6 +19,7 @@ import offload_shim
 from bitwise import same_bits
 from observe import configured, counting_calls, recording_staging
 from offload_shim import _devices, _execute, _groups, _staging
+import versions
 
 # ---------------------------------------------------------------- helpers run inside the ranks
 
@@ -141,9 +142,9 @@ def check_functional(group_kind):
     calls = {
         "all_reduce": lambda t: funcol.all_reduce(t, "sum", group),
         "all_reduce_max": lambda t: funcol.all_reduce(t, "max", group),
-        "all_gather_single": lambda t: funcol.all_gather_single(t, 0, group),
-        "all_gather_single_dim1": lambda t: funcol.all_gather_single(t, 1, group),
-        "reduce_scatter_single": lambda t: funcol.reduce_scatter_single(t, "sum", 0, group),
+        "all_gather_single": lambda t: versions.all_gather_single(t, 0, group),
+        "all_gather_single_dim1": lambda t: versions.all_gather_single(t, 1, group),
+        "reduce_scatter_single": lambda t: versions.reduce_scatter_single(t, "sum", 0, group),
         "broadcast": lambda t: funcol.broadcast(t, 1, group),
     }
     for name, call in calls.items():
@@ -163,7 +164,7 @@ def check_functional_autograd():
     for stage in (False, True):
         x = rank_input((4,), torch.float32, seed=5).requires_grad_()
         with staging_through_cpu() if stage else contextlib.nullcontext():
-            y = funcol.all_gather_single(x, 0, dist.group.WORLD)
+            y = versions.all_gather_single(x, 0, dist.group.WORLD)
             (y * weights).sum().backward()
         results.append((y.detach(), x.grad))
     (y0, g0), (y1, g1) = results
@@ -530,7 +531,7 @@ def check_routing(threshold):
                 ("functional_all_reduce", lambda: funcol.all_reduce(torch.ones(threshold // 4), "sum", dist.group.WORLD)),
                 # Unequal shards per rank: torch gathers them padded to one size, which decides.
                 ("uneven_full_tensor", uneven.full_tensor),
-                ("all_gather_single", lambda: funcol.all_gather_single(torch.ones(threshold), 0, dist.group.WORLD)),
+                ("all_gather_single", lambda: versions.all_gather_single(torch.ones(threshold), 0, dist.group.WORLD)),
                 # A list gather's sizes may differ per rank: never routed by size.
                 ("all_gather", lambda: dist.all_gather([torch.ones(3), torch.ones(3)], torch.ones(3))),
             ):

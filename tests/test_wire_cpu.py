@@ -65,6 +65,8 @@ ENTRIES = {
 for _name, _function in (("all_gather_into_tensor", "all_gather_single"), ("reduce_scatter_tensor", "reduce_scatter_single")):
     if not hasattr(dist, _function):
         ENTRIES[_name].remove("eager_single")
+if not contracts.GLOO_ALL_TO_ALL:  # torch 2.11's Gloo has no list all_to_all
+    del ENTRIES["all_to_all"]
 # Where torch takes any strides and a tensor that requires grad (an input only read, or written in place from C++).
 STRIDED = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
            "gather", "scatter"}
@@ -104,6 +106,8 @@ def calls(world: int):
         for _ in range(world):
             entry = draw(st.sampled_from(ENTRIES[collective]))
             contiguous = collective not in STRIDED or draw(st.booleans())
+            if collective == "all_gather_into_tensor" and entry in ("funcol", "compiled") and not contracts.GATHERS_STRIDED:
+                contiguous = True  # torch 2.11's funcol.all_gather_tensor asserts a contiguous input
             grad = collective in GRAD and not entry.startswith("funcol") and entry != "compiled" and draw(st.booleans())
             choices.append(Choice(entry, contiguous, grad))
         sizes = ()
