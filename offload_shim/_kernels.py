@@ -54,6 +54,9 @@ _lock = globals().get("_lock") or threading.Lock()  # state kept across importli
 _libraries: list = globals().get("_libraries", [])  # the torch.library.Library objects holding the registrations while installed
 
 
+_hooked = globals().get("_hooked", False)  # the post-import hook above registered (kept across reloads)
+
+
 def install() -> None:
     """Register the ``CPU`` kernels (see the module docstring), and keep the shim's own code out of Dynamo from
     when it is imported (:func:`_keep_out_of_dynamo`). Installing twice changes nothing; does nothing where
@@ -62,7 +65,11 @@ def install() -> None:
         if _libraries or not dist.is_available():
             return
         # When Dynamo is first imported, not now: importing it costs about a second, and most programs never compile.
-        wrapt.register_post_import_hook(_keep_out_of_dynamo, "torch._dynamo.trace_rules")
+        # Once per process: a hook registered again after an uninstall would add the rule again.
+        global _hooked
+        if not _hooked:
+            _hooked = True
+            wrapt.register_post_import_hook(_keep_out_of_dynamo, "torch._dynamo.trace_rules")
         libraries = {namespace: torch.library.Library(namespace, "IMPL") for namespace in NAMESPACES}
         try:
             for op in _collective_ops():

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import offload_shim
+from interpreters import python
 from observe import configured, recording_staging
 from bitwise import same_bits
 from offload_shim import _kernels
@@ -375,3 +376,25 @@ def test_dtensor_shard_dim_alltoall_without_cpu_backend_raises(accelerator_only_
     for kind, message, unchanged in accelerator_only_ranks.run(check_shard_dim_alltoall, False):
         assert kind == "StagingError" and unchanged, (kind, message)
         assert message.startswith("offload_shim: torch.ops._dtensor.shard_dim_alltoall got a tensor on cpu")
+
+
+def test_dynamo_skip_rule_added_once_per_process():
+    """Install and uninstall cycles add the package to Dynamo's skip rules once, whether Dynamo was imported before
+    the first install or after it."""
+    for dynamo_first in (True, False):
+        result = python(
+            f"""
+            import os, torch
+            if {dynamo_first}:
+                import torch._dynamo.trace_rules
+            import offload_shim
+            for _ in range(3):
+                offload_shim.uninstall()
+                offload_shim.install()
+            import torch._dynamo.trace_rules as trace_rules
+            folder = os.path.dirname(offload_shim.__file__)
+            print(sum(os.path.normpath(entry) == folder for entry in trace_rules.SKIP_DIRS))
+            """,
+            env={"OFFLOAD_SHIM": "0"},
+        )
+        assert result.stdout.split() == ["1"], (dynamo_first, result.stdout, result.stderr)
