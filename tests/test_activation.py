@@ -86,6 +86,14 @@ def test_unset_does_nothing_at_all():
     assert out.stdout.strip().splitlines()[-2:] == [NONE_WRAPPED, "False"]
 
 
+def test_empty_value_is_unset():
+    """``OFFLOAD_SHIM=`` (set, empty) is unset, as usual for switches: ``import torch`` installs nothing, and
+    ``import offload_shim`` installs, as it does with the variable unset."""
+    for env in ({"OFFLOAD_SHIM": ""}, {"OFFLOAD_SHIM": " "}, {}):
+        out = python(IMPORT_TORCH, REPORT, "import offload_shim; print(offload_shim.is_installed())", env=env)
+        assert out.stdout.strip().splitlines()[-2:] == [NONE_WRAPPED, "True"], (env, out.stdout, out.stderr)
+
+
 def test_false_value_installs_nothing(site):
     """Neither the entry point nor the drop-in (on PYTHONPATH here) installs anything at import torch, nor does
     ``import offload_shim``; the other false spellings through the function activation ends in."""
