@@ -292,12 +292,15 @@ def _launcher(chunks: Chunks, call):
         method, options = type(group).reduce, _c10d.ReduceOptions()
         options.reduceOp, options.rootRank = call.op, call.root_rank
     options.asyncOp = True
-    dtype = chunks.dtype
+    step, total, dtype = chunks.step, chunks.total, chunks.dtype
     complex_ = dtype.is_complex  # reduced as real pairs, as torch's all_reduce and reduce do
+    as_bytes = dtype is torch.uint8
 
-    def launch(index: int, slot: torch.Tensor):
-        count = _count(chunks, index)
-        typed = (slot if slot.numel() == count else slot[:count]).view(dtype)
+    def launch(index: int, slot: torch.Tensor):  # (per chunk: the fewest operations)
+        count = min(step, total - index * step)
+        if slot.numel() != count:
+            slot = slot[:count]
+        typed = slot if as_bytes else slot.view(dtype)
         return method(group, [torch.view_as_real(typed) if complex_ else typed], options)
 
     return launch
@@ -562,7 +565,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
 
         return _handle(call, works, _groups.completion_lane(group).submit(complete_pooled), writes)
     # Before the wire: accelerator memory for every chunk, and pinned host memory for pageable memory.
-    sizes = [_slot_bytes(chunks, index) for index in range(chunks.count)]
+    sizes = [chunks.slot_bytes] * (chunks.count - 1) + [_slot_bytes(chunks, chunks.count - 1)]
     with torch.inference_mode(False):
         memory = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         agreed = torch.empty(8, dtype=torch.int64, pin_memory=device.type != "cpu") if ordered else None
@@ -578,7 +581,10 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
     agreement = _agreement(chunks, device)
     slots = memory.split(sizes)
     ins = _all_ins(chunks, source, rank) if reads else None
-    outs = _all_outs(chunks, dest) if writes else None
+    if writes and reads and dest is source and chunks.kind != "all_gather":  # in place: the same views
+        outs = [[pair] for pair in ins]
+    else:
+        outs = _all_outs(chunks, dest) if writes else None
     works, free, copies_in, copies_out = [], [None, None], {}, []
     lane_in = _groups.lane(group, "in") if bounce_in else None
     lane_out = _groups.lane(group, "out") if landing is not None else None
