@@ -35,10 +35,12 @@ wire, as a rank that raises in torch does.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
+from torch.utils.weak import WeakIdKeyDictionary
 
 from offload_shim import _counters, _devices, _groups, _registration, _replay, _staging
 from offload_shim._devices import StagingError, group_label
@@ -210,11 +212,13 @@ def _pipelined(plan: Plan):
         source, _ = _host_bytes(tensor, device, True)
         dest, back_out = _host_bytes(target, device, False)
     launch = _launcher(chunks, call)
+    kept = _flats.get(tensor)
+    cuts = kept[1] if kept is not None and kept[0] is source else None  # the caller's own bytes, cut before
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("offload_shim: %s in %d chunks of %d bytes (%s) through %s", entry.label, chunks.count,
                    chunks.step, chunks.kind, device)
     if call.async_op:
-        return _run_async(plan, source, dest, launch, reads, writes, back_out)
+        return _run_async(plan, source, dest, launch, reads, writes, back_out, cuts)
     _run_sync(plan, source, dest, launch, reads, writes)
     if back_out is not None:
         back_out()
@@ -238,7 +242,7 @@ def _host_bytes(tensor: torch.Tensor, device, reads: bool, register: bool = Fals
     if tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
         if register:
             _registration.register_for_staging(tensor, device)  # pageable: registered at its reuse, if set
-        return _staging.bits(tensor.data.reshape(-1)).view(torch.uint8), None
+        return _flat(tensor)[0], None
     copy = _groups.host_buffer(tensor.numel() * tensor.element_size(), device)
     typed = copy.view(tensor.dtype).view(tensor.shape) if tensor.dtype is not torch.bool else copy.view(tensor.shape)
     if reads:
@@ -250,6 +254,22 @@ def _host_bytes(tensor: torch.Tensor, device, reads: bool, register: bool = Fals
             _staging.bits(tensor.data).copy_(_staging.bits(typed))
 
     return copy, copy_back
+
+
+def _flat(tensor: torch.Tensor) -> tuple:
+    """``(flat bytes, cuts)`` of a contiguous ``tensor``: its memory as a ``uint8`` view, and a dict for that view's
+    cuts into chunks (:func:`_all_ins`), kept while ``tensor`` lives and describes the same memory (a tensor reused
+    call after call, as training reuses its buffers, is cut once). A tensor given other memory (``.data =``,
+    ``set_``) is cut again at its next call; until then the old views keep its old storage."""
+    kept = _flats.get(tensor)
+    nbytes = tensor.numel() * tensor.element_size()
+    if kept is not None and kept[0].numel() == nbytes and kept[0].data_ptr() == tensor.data_ptr():
+        return kept
+    kept = _flats[tensor] = (_staging.bits(tensor.data.reshape(-1)).view(torch.uint8), {})
+    return kept
+
+
+_flats = WeakIdKeyDictionary()  # caller's tensor -> (flat bytes, cuts by chunking)
 
 
 _REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "product": "PRODUCT", "min": "MIN", "max": "MAX", "band": "BAND",
@@ -266,22 +286,27 @@ def reduce_op(op):
 
 
 def _launcher(chunks: Chunks, call):
-    """``launch(index, slot) -> work``: chunk ``index``'s collective, asynchronous, on ``slot`` (the bytes of the
-    accelerator memory the chunk uses): the group's own method of the chunks' kind with the options torch's
+    """``(prepare, issue)``: ``prepare(index, slot)`` gives chunk ``index``'s tensors on ``slot`` (the bytes of the
+    accelerator memory the chunk uses) as its collective takes them; ``issue(prepared) -> work`` launches that
+    collective, asynchronous: the group's own method of the chunks' kind with the options torch's
     ``torch.distributed`` function of that kind gives it (``all_reduce``'s ``AllreduceOptions``, ...), as that
     function calls it once it has checked its arguments: the same collective whatever the entry point, without a
-    Python function of torch's around each chunk (they cost tens of microseconds a call)."""
+    Python function of torch's around each chunk (they cost tens of microseconds a call). An asynchronous call
+    prepares the chunks of its pool's slots once (:func:`_wire_views`)."""
     group, kind = call.group, chunks.kind
     if kind == "all_gather":
         gather, world, rank = getattr(type(group), GATHER_METHOD), chunks.world, group.rank()
         options = _c10d.AllgatherOptions()
         options.asyncOp = True
 
-        def launch(index: int, slot: torch.Tensor):
+        def prepare(index: int, slot: torch.Tensor):
             count = _count(chunks, index)
-            return gather(group, slot[: world * count], slot[rank * count : (rank + 1) * count], options)
+            return slot[: world * count], slot[rank * count : (rank + 1) * count]
 
-        return launch
+        def issue(prepared):
+            return gather(group, *prepared, options)
+
+        return prepare, issue
     if kind == "all_reduce":
         method, options = type(group).allreduce, _c10d.AllreduceOptions()
         options.reduceOp = call.op
@@ -296,14 +321,29 @@ def _launcher(chunks: Chunks, call):
     complex_ = dtype.is_complex  # reduced as real pairs, as torch's all_reduce and reduce do
     as_bytes = dtype is torch.uint8
 
-    def launch(index: int, slot: torch.Tensor):  # (per chunk: the fewest operations)
+    def prepare(index: int, slot: torch.Tensor):
         count = min(step, total - index * step)
         if slot.numel() != count:
             slot = slot[:count]
         typed = slot if as_bytes else slot.view(dtype)
-        return method(group, [torch.view_as_real(typed) if complex_ else typed], options)
+        return [torch.view_as_real(typed) if complex_ else typed]
 
-    return launch
+    def issue(prepared):  # (per chunk: the fewest operations)
+        return method(group, prepared, options)
+
+    return prepare, issue
+
+
+def _wire_views(pool, chunks: Chunks, rank: int, prepare) -> list:
+    """Every chunk's tensors on ``pool``'s slots (one per chunk) as ``prepare`` gives them, made once per pool and
+    chunking."""
+    key = (chunks.kind, chunks.dtype, chunks.total, chunks.step, chunks.world, rank)
+    views = pool.cached.get(key)
+    if views is None:
+        if len(pool.cached) >= 16:  # chunkings seen once: keep the pool's table small
+            pool.cached.clear()
+        views = pool.cached[key] = [prepare(index, slot) for index, slot in enumerate(pool.slots[: chunks.count])]
+    return views
 
 
 def _count(chunks: Chunks, index: int) -> int:
@@ -325,11 +365,21 @@ def _outs(chunks: Chunks, index: int, dest: torch.Tensor):
     return [(0, dest[start : start + count])]
 
 
-def _all_ins(chunks: Chunks, source: torch.Tensor, rank: int) -> list:
-    """:func:`_ins` of every chunk (an elementwise call's cut in one call)."""
+def _all_ins(chunks: Chunks, source: torch.Tensor, rank: int, cuts: dict | None = None) -> list:
+    """:func:`_ins` of every chunk (an elementwise call's cut in one call); kept in ``cuts`` (a caller's tensor's,
+    :func:`_flat`) where given."""
+    key = (chunks.kind, chunks.total, chunks.step, rank)
+    if cuts is not None and key in cuts:
+        return cuts[key]
     if chunks.kind == "all_gather":
-        return [_ins(chunks, index, source, rank) for index in range(chunks.count)]
-    return [(0, view) for view in source.split(chunks.step)]
+        ins = [_ins(chunks, index, source, rank) for index in range(chunks.count)]
+    else:
+        ins = [(0, view) for view in source.split(chunks.step)]
+    if cuts is not None:
+        if len(cuts) >= 4:
+            cuts.clear()
+        cuts[key] = ins
+    return ins
 
 
 def _all_outs(chunks: Chunks, dest: torch.Tensor) -> list:
@@ -432,6 +482,7 @@ def _issue_pooled(plan: Plan, source, dest, launch, reads: bool, writes: bool, d
     the last chunk's D2H and copy out are left to ``finish()`` (this returns once the last collective is issued)."""
     call, chunks, device = plan.call, plan.chunks, plan.device
     group, rank = call.group, call.group.rank()
+    prepare, issue = launch
     pool = _groups.pool(device, max(chunks.chunk_bytes, chunks.slot_bytes, 16))
     slots = len(pool.slots)
     pinned_in, pinned_out = _staging._is_pinned(source), _staging._is_pinned(dest)
@@ -499,7 +550,7 @@ def _issue_pooled(plan: Plan, source, dest, launch, reads: bool, writes: bool, d
                     _launch_agreement(group, agreement).wait()
                     _check_agreement(group, agreement.tolist(), chunks, call.entry.label)
                 with pool.h2d:
-                    works.append(launch(index, slot))
+                    works.append(issue(prepare(index, slot)))
                 if index + 1 < chunks.count or not defer_last:
                     back(index)
             if not defer_last:
@@ -534,11 +585,20 @@ def _stream_ordered(group, device) -> bool:
     host (Gloo, MPI, UCC) runs them from the host, and its ``wait()`` blocks."""
     if device.type == "cpu":
         return False
-    name = _devices.backend_for(group, device.type)
-    return "cpu" not in dist.Backend.backend_capability.get(name or "", ("cpu",))
+    known = _ordered.get(group)
+    if known is None:
+        known = _ordered[group] = {}
+    ordered = known.get(device.type)
+    if ordered is None:  # a group's backends are fixed when it is made: read once
+        name = _devices.backend_for(group, device.type)
+        ordered = known[device.type] = "cpu" not in dist.Backend.backend_capability.get(name or "", ("cpu",))
+    return ordered
 
 
-def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back_out):
+_ordered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {device type: stream-ordered}
+
+
+def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back_out, cuts=None):
     """Issue every chunk of an asynchronous call and return its handle (see the module docstring); every H2D and
     every collective is queued before this returns. Where the backend orders the device's streams
     (:func:`_stream_ordered`, NCCL's): pageable input goes as the synchronous call's does (the caller waits for its
@@ -564,23 +624,34 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                     back_out()
 
         return _handle(call, works, _groups.completion_lane(group).submit(complete_pooled), writes)
-    # Before the wire: accelerator memory for every chunk, and pinned host memory for pageable memory.
+    # Before the wire: pinned host memory for pageable memory, and accelerator memory for every chunk (a pool of one
+    # slot per chunk, reused once the call has completed).
+    prepare, issue = launch
     sizes = [chunks.slot_bytes] * (chunks.count - 1) + [_slot_bytes(chunks, chunks.count - 1)]
-    with torch.inference_mode(False):
-        memory = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        agreed = torch.empty(8, dtype=torch.int64, pin_memory=device.type != "cpu") if ordered else None
     bounce_in = PAGEABLE_PATH == "bounce" and reads and not _staging._is_pinned(source)
     bounce_out = PAGEABLE_PATH == "bounce" and writes and not _staging._is_pinned(dest)
     buffers_in = [_groups.host_buffer(chunks.step, device) for _ in range(2)] if bounce_in else None
     landing = buffers_out = None  # stream-ordered, every chunk lands at once; otherwise two at a time
     if bounce_out and ordered:
-        landing = _groups.host_buffer(memory.numel(), device).split(sizes)
+        landing = _groups.host_buffer(sum(sizes), device).split(sizes)
     elif bounce_out:
         buffers_out = [_groups.host_buffer(max(sizes), device) for _ in range(2)]
-    h2d, d2h = _staging.new_stream(device), _staging.new_stream(device)
-    agreement = _agreement(chunks, device)
-    slots = memory.split(sizes)
-    ins = _all_ins(chunks, source, rank) if reads else None
+    pool = _groups.pool(device, max(chunks.chunk_bytes, chunks.slot_bytes, 16), chunks.count)
+    try:
+        agreed = None
+        if ordered:
+            agreed = pool.cached.get("agreed")
+            if agreed is None:
+                with torch.inference_mode(False):
+                    agreed = pool.cached["agreed"] = torch.empty(8, dtype=torch.int64, pin_memory=device.type != "cpu")
+        agreement = _agreement(chunks, device)
+        wire = _wire_views(pool, chunks, rank, prepare)
+    except BaseException:
+        _groups.give_back(pool)  # (nothing was queued on it)
+        raise
+    h2d, d2h = pool.h2d, pool.d2h
+    slots = pool.slots[: chunks.count]
+    ins = _all_ins(chunks, source, rank, cuts) if reads else None
     if writes and reads and dest is source and chunks.kind != "all_gather":  # in place: the same views
         outs = [[pair] for pair in ins]
     else:
@@ -613,11 +684,12 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                 view.copy_(_part(slot, offset, view), non_blocking=True)
             return
         land = landing[index]
-        land.copy_(slot, non_blocking=True)
+        land.copy_(slot[: land.numel()], non_blocking=True)
         pairs = [(view, land[offset : offset + view.numel()]) for offset, view in outs[index]]
         copies_out.append(lane_out.submit(copy_out, d2h.record_event(), pairs))
 
     h2d.wait_stream(_staging.current_stream(device))
+    h2d.wait_stream(d2h)  # a pool a synchronous call gave back: after its last D2H from the slots
     with _staging.staged_call(), torch.no_grad(), _staging.writable(dest):
         try:
             with h2d:  # every H2D and collective queued on the H2D stream
@@ -644,13 +716,17 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                             free[index % 2] = h2d.record_event()
                             if index + 1 < chunks.count:
                                 copy_in(index + 1)
-                    works.append(launch(index, slot))
-            if ordered and writes:  # each D2H queued behind its collective: the host waits for nothing here
+                    works.append(issue(wire[index]))
+            if ordered:
                 with d2h:
-                    for index, slot in enumerate(slots):
-                        back(index, slot)
+                    if writes:  # each D2H queued behind its collective: the host waits for nothing here
+                        for index, slot in enumerate(slots):
+                            back(index, slot)
+                    else:  # the pool is reused once the D2H stream has passed the last collective
+                        works[-1].wait()
         except BaseException:
             _settle([*copies_in.values(), *copies_out], quietly=True)
+            _groups.discard(pool)  # (collectives may still use its memory: never reused)
             raise
     read = h2d.record_event()  # the caller's memory has been read once this has completed
 
@@ -663,11 +739,20 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
         finally:  # the staging memory is in use until every queued copy has run
             d2h.synchronize()
             read.synchronize()
+            _groups.give_back(pool)
         if back_out is not None:
             with torch.no_grad():
                 back_out()
 
     def complete() -> None:
+        try:
+            finish_blocking()
+        except BaseException:
+            _groups.discard(pool)  # (chunks of the call may still use its memory: never reused)
+            raise
+        _groups.give_back(pool)
+
+    def finish_blocking() -> None:
         with torch.no_grad(), _staging.writable(dest):
             with d2h:  # the agreement's result read on the stream that waited for it
                 works[0].wait()
@@ -679,7 +764,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                     works[index + 1].wait()
                     if writes and bounce_out:
                         bounce = buffers_out[index % 2]
-                        bounce[: sizes[index]].copy_(slot, non_blocking=True)
+                        bounce[: sizes[index]].copy_(slot[: sizes[index]], non_blocking=True)
                         event = d2h.record_event()
                         if pending is not None:
                             _copy_after(*pending)

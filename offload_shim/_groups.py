@@ -190,20 +190,23 @@ def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 class Pool:
-    """Staging buffers and streams for one chunked synchronous call at a time, on one device: ``SLOTS``
-    accelerator slots of ``slot_bytes``, an H2D and a D2H stream, and pinned bounce buffers (two per direction) for
-    pageable memory, made by :meth:`bounce` before the call's first chunk."""
+    """Staging buffers and streams for one chunked call at a time, on one device: ``count`` accelerator slots of
+    ``slot_bytes`` (``SLOTS`` for a synchronous call; one per chunk for an asynchronous one, which issues every
+    chunk before it returns), an H2D and a D2H stream, pinned bounce buffers (two per direction) for pageable
+    memory, made by :meth:`bounce` before the call's first chunk, and what the executor makes once per pool
+    (``cached``: the chunks' views of the slots as their collectives take them, the agreement's host tensor)."""
 
-    def __init__(self, device: torch.device, slot_bytes: int, generation: int):
+    def __init__(self, device: torch.device, slot_bytes: int, generation: int, count: int = SLOTS):
         self.device = device
         self.slot_bytes = slot_bytes
         self.generation = generation
         self.h2d, self.d2h = new_stream(device), new_stream(device)
         with torch.inference_mode(False):  # reused by later calls, in inference mode or not
-            self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
-        self.slot_free: list = [None] * SLOTS
+            self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(count)]
+        self.slot_free: list = [None] * count
         self._bounce: dict[str, list[torch.Tensor]] = {}
         self.bounce_free: list = [None] * SLOTS  # events after the H2D copies out of the "in" bounce buffers
+        self.cached: dict = {}
 
     def bounce(self, direction: str) -> list[torch.Tensor]:
         """The two bounce buffers of ``direction`` (``"in"``: pageable to accelerator, ``"out"``: back)."""
@@ -221,20 +224,21 @@ class Pool:
         self.d2h.synchronize()
 
 
-# Idle pools by staging device; kept across importlib.reload of this module.
-_idle: dict[str, list[Pool]] = globals().get("_idle", {})
+# Idle pools by staging device and slot count; kept across importlib.reload of this module.
+_idle: dict[tuple, list[Pool]] = globals().get("_idle", {})
 _busy: list[Pool] = globals().get("_busy", [])
 _pools_lock = globals().get("_pools_lock") or threading.Lock()
 _generation = globals().get("_generation", 0)  # pools of an older generation are freed, not reused (release())
 
 
-def pool(device: torch.device, slot_bytes: int) -> Pool:
-    """An idle pool of ``device`` with slots of ``slot_bytes``, or a new one (see the module docstring); pools made
-    for another size are freed once their last use has finished. Give it back with :func:`give_back` once the
-    call's copies and collectives are queued."""
+def pool(device: torch.device, slot_bytes: int, count: int = SLOTS) -> Pool:
+    """An idle pool of ``device`` with ``count`` slots of ``slot_bytes``, or a new one (see the module docstring);
+    idle pools of that device and slot count made for another size are freed once their last use has finished.
+    Give it back with :func:`give_back` once the call's copies and collectives are queued (an asynchronous call's:
+    once they have run)."""
     stale = []
     with _pools_lock:
-        idle = _idle.setdefault(str(device), [])
+        idle = _idle.setdefault((str(device), count), [])
         while idle:
             found = idle.pop()
             if found.slot_bytes == slot_bytes and found.generation == _generation:
@@ -244,7 +248,7 @@ def pool(device: torch.device, slot_bytes: int) -> Pool:
             found = None
     for old in stale:
         old.synchronize()
-    found = found or Pool(device, slot_bytes, _generation)
+    found = found or Pool(device, slot_bytes, _generation, count)
     with _pools_lock:
         _busy.append(found)
     return found
@@ -254,9 +258,16 @@ def give_back(used: Pool) -> None:
     with _pools_lock:
         _busy.remove(used)
         if used.generation == _generation:
-            _idle.setdefault(str(used.device), []).append(used)
+            _idle.setdefault((str(used.device), len(used.slots)), []).append(used)
             return
     used.synchronize()  # release() ran while this call used the pool: freed once its work is done
+
+
+def discard(used: Pool) -> None:
+    """Drop ``used`` without reusing it (a failed call's collectives may still use its memory; the memory is freed
+    once nothing holds it)."""
+    with _pools_lock:
+        _busy.remove(used)
 
 
 def lane(group: dist.ProcessGroup, name: str) -> concurrent.futures.ThreadPoolExecutor:

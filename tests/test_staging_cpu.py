@@ -336,6 +336,39 @@ def check_async_chunked_out_of_order(pageable_path, ordered=False):
         _execute.PAGEABLE_PATH = path
 
 
+def check_reused_tensor_given_new_memory(asynchronous, ordered):
+    """A tensor staged call after call is cut into chunks once (its views kept) and cut again when it is given other
+    memory (``.data =``, ``set_``, its storage freed and resized back): each call reduces the tensor's memory then,
+    the old memory is left as it was, and an asynchronous call's pool is reused once it has completed."""
+    tensor = rank_input((37,), torch.float32, seed=1)
+    with staging_through_cpu(chunk_bytes=16), stream_ordered(ordered):
+        for change in ("none", "data", "set_", "resize"):
+            old = tensor.data
+            kept = old.clone()
+            if change == "data":
+                tensor.data = rank_input((37,), torch.float32, seed=2)
+            elif change == "set_":
+                tensor.set_(rank_input((37,), torch.float32, seed=3).untyped_storage(), 0, (37,))
+            elif change == "resize":
+                storage = tensor.untyped_storage()
+                storage.resize_(0)
+                storage.resize_(37 * 4)
+                tensor.copy_(rank_input((37,), torch.float32, seed=4))
+            expected = tensor.clone()
+            with configured(always_stage=False):
+                dist.all_reduce(expected)
+            poison_staging_buffers()
+            pools = len(_groups.pooled_buffers())
+            work = dist.all_reduce(tensor, async_op=asynchronous)
+            if asynchronous:
+                assert work.wait() is True
+            assert same_bits(tensor, expected), change
+            if change in ("data", "set_"):
+                assert same_bits(old, kept), change  # the memory the tensor had is not written
+            if change != "none":  # the pool of the first call, reused
+                assert len(_groups.pooled_buffers()) == pools, change
+
+
 def check_lazy_views_chunked_or_not():
     """A lazily conjugated or negated view is staged by its values, chunked or not, and written back through it:
     reading the view gives the reduction (broadcast) of the values read through the views, as the same call on their
@@ -470,6 +503,11 @@ def test_broadcast_chunked(gloo_ranks, pageable_path, asynchronous):
 @pytest.mark.parametrize("ordered", [False, True], ids=["host_completing", "stream_ordered"])
 def test_async_chunked_waited_late_and_out_of_order(gloo_ranks, pageable_path, ordered):
     gloo_ranks.run(check_async_chunked_out_of_order, pageable_path, ordered)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async_stream_ordered"])
+def test_reused_tensor_given_new_memory(gloo_ranks, mode):
+    gloo_ranks.run(check_reused_tensor_given_new_memory, mode != "sync", mode.endswith("ordered"))
 
 
 def test_lazy_views_chunked_or_not(gloo_ranks):
