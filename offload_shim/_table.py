@@ -175,6 +175,10 @@ C10D = _entries(
     ("all_to_all_single", [Arg("output", WRITE), Arg("input", READ, refusal=CONTIGUOUS)]),
     ("gather", [Arg("tensor", READ), Arg("gather_list", NONE, LIST, root_role=WRITE, refusal=AUTOGRAD_WRITTEN)],
      {"root": "dst"}),
+    # torch 2.14: each rank's tensor into one tensor on the root (NCCL's ncclGather; Gloo has none), and its
+    # deprecated alias. The non-root ranks' gather_tensor is ignored (torch passes an empty tensor there).
+    *((name, [Arg("tensor", READ), Arg("gather_tensor", NONE, root_role=WRITE, refusal=AUTOGRAD_WRITTEN)],
+       {"root": "dst"}) for name in ("gather_single", "gather_into_tensor")),
     ("scatter", [Arg("tensor", WRITE), Arg("scatter_list", NONE, LIST, root_role=READ)], {"root": "src"}),
     ("send", [Arg("tensor", READ, refusal=CONTIGUOUS_P2P)], {"point_to_point": True}),
     ("isend", [Arg("tensor", READ, refusal=CONTIGUOUS_P2P)], {"point_to_point": True}),

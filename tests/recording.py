@@ -46,6 +46,11 @@ class Recording(dist.ProcessGroup):
     def getBackendName(self):
         return BACKEND
 
+    def _get_backend(self, device):
+        # Gloo's, for whatever torch asks of the backend (torch 2.14's batch_isend_irecv asks any ProcessGroup
+        # whether its backend coalesces; a Python group has no C++ backend to answer).
+        return self._gloo
+
     def _record(self, *what):
         self.records.append(what)
 
@@ -117,6 +122,12 @@ class Recording(dist.ProcessGroup):
     def gather(self, outputs, inputs, options=None):
         self._record("gather", _bytes(inputs[0]), options.rootRank)
         return self._gloo.gather(outputs, inputs, options)
+
+    def gather_single(self, output, input, options=None):
+        # torch 2.14's one-tensor gather (NCCL has it, Gloo not): Gloo's gather into the root's output, row by row.
+        rows = [] if self.rank() != options.rootRank else [
+            [row.view(input.shape) for row in output.view(self.size(), input.numel())]]
+        return self.gather(rows, [input], options)
 
     def scatter(self, outputs, inputs, options=None):
         self._record("scatter", _bytes(outputs[0]), options.rootRank)

@@ -19,6 +19,7 @@ REFERENCE = (ROOT / "docs" / "reference.md").read_text()
 NOT_COLLECTIVES = {
     "destroy_process_group", "get_backend_config", "get_backend", "get_rank", "get_world_size", "new_subgroups",
     "get_group_rank", "get_global_rank", "get_process_group_ranks", "shrink_group", "split_group",
+    "set_timeout", "get_backend_impl",  # torch 2.14
 }
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 import zlib
 
 import hypothesis
@@ -58,6 +59,7 @@ ENTRIES = {
     "all_to_all_single": ["eager", "eager_async", "funcol", "funcol_inplace"],  # splits per rank
     "all_to_all": ["eager", "eager_async"],  # lists (of one size: Gloo's list all-to-all takes one)
     "gather": ["eager", "eager_async"],
+    "gather_single": ["eager", "eager_async", "eager_alias"],  # torch 2.14 (the alias: gather_into_tensor)
     "scatter": ["eager", "eager_async"],
     "send_recv": ["blocking", "isend_irecv", "batch"],
 }
@@ -65,6 +67,8 @@ ENTRIES = {
 for _name, _function in (("all_gather_into_tensor", "all_gather_single"), ("reduce_scatter_tensor", "reduce_scatter_single")):
     if not hasattr(dist, _function):
         ENTRIES[_name].remove("eager_single")
+if not hasattr(dist, "gather_single"):  # before torch 2.14
+    del ENTRIES["gather_single"]
 if not contracts.GLOO_ALL_TO_ALL:  # torch 2.11's Gloo has no list all_to_all
     del ENTRIES["all_to_all"]
 # Where torch takes any strides and a tensor that requires grad (an input only read, or written in place from C++).
@@ -279,6 +283,15 @@ def _launch(call: Call, choice: Choice, group, reference: bool):
         outs = [torch.empty(call.numel, dtype=mine.dtype) for _ in range(world)] if rank == call.root else None
         work = dist.gather(tensor, outs, group_dst=call.root, group=group, async_op=asynchronous)
         return work, outs or []
+    if name == "gather_single":
+        tensor = make(mine)
+        out = torch.empty(world * call.numel, dtype=mine.dtype) if rank == call.root else None
+        gather = dist.gather_single
+        if entry == "eager_alias":
+            gather = dist.gather_into_tensor
+            warnings.filterwarnings("ignore", "`torch.distributed.gather_into_tensor` is deprecated", FutureWarning)
+        work = gather(tensor, out, group_dst=call.root, group=group, async_op=asynchronous)
+        return work, [out] if out is not None else []
     if name == "scatter":
         ins = [make(_values(call, shape, ("input", r))) for r in range(world)] if rank == call.root else None
         out = torch.empty(call.numel, dtype=mine.dtype)
