@@ -6,23 +6,27 @@ is a file of its own that imports nothing at load, and lives beside that metadat
 wheel's, and an editable install's too (the build backend, ``build_backend/offload_shim_build.py``, writes it into
 the editable wheel, so it stays when the source tree it points to is deleted). It hands over to
 ``offload_shim_boot.autoload`` and, where that module is gone or broken, does nothing, or warns once where the shim
-was asked for. It never changes: an editable install's copy shadows the source tree's.
+was asked for. An editable install's copy shadows the source tree's: a change here reaches it only when the package
+is installed again.
 """
 
 import os
 
 
 def autoload() -> None:
-    """Nothing while ``OFFLOAD_SHIM`` is unset or empty; otherwise ``offload_shim_boot.autoload()``, or one
-    ``RuntimeWarning`` where that cannot run. Never raises."""
+    """Nothing while ``OFFLOAD_SHIM`` is unset or empty and no variable's name holds ``SHIM``; otherwise
+    ``offload_shim_boot.autoload()`` (which also names a misspelt switch), or one ``RuntimeWarning`` where that cannot
+    run and the shim was asked for. Never raises."""
     value = os.environ.get("OFFLOAD_SHIM", "")
-    if not value.strip():
-        return
+    if not value.strip() and not any("SHIM" in name.upper() for name in os.environ):
+        return  # (a variable like the switch, misspelt, is named by offload_shim_boot)
     try:
         import offload_shim_boot
 
         offload_shim_boot.autoload()
     except Exception as exc:  # a broken or half-removed install: never break `import torch`
+        if not value.strip():
+            return
         import sys
         import warnings
 

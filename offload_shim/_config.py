@@ -274,20 +274,12 @@ def configure(**changes) -> Settings:
 
 
 def unknown_variables(environ=os.environ) -> list[str]:
-    """Sentences naming each variable of the environment that starts with ``OFFLOAD_SHIM`` but is none of
-    :data:`ENVIRONMENT` (a misspelt name is otherwise ignored without a word), with the nearest known name.
-    ``OFFLOAD_SHIM_TEST_*`` variables are the test suite's own, and not named."""
-    import difflib
+    """Sentences naming each variable of the environment that looks like one of :data:`ENVIRONMENT` but is none of
+    them (a misspelt name is otherwise ignored without a word), with the nearest known name
+    (``offload_shim_boot.look_alikes``, which the entry point also runs while the shim is off)."""
+    import offload_shim_boot
 
-    unknown = sorted(
-        name for name in environ
-        if name.startswith(ENV_ENABLE) and name not in ENVIRONMENT and not name.startswith("OFFLOAD_SHIM_TEST_")
-    )
-    sentences = []
-    for name in unknown:
-        near = difflib.get_close_matches(name, ENVIRONMENT, n=1)
-        sentences.append(f"{name} is not a variable of offload_shim and is ignored" + (f" (did you mean {near[0]}?)" if near else ""))
-    return sentences
+    return offload_shim_boot.look_alikes(environ)
 
 
 def inert_settings(current: Settings, accelerator_available: bool) -> list[str]:

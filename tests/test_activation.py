@@ -94,6 +94,29 @@ def test_empty_value_is_unset():
         assert out.stdout.strip().splitlines()[-2:] == [NONE_WRAPPED, "True"], (env, out.stdout, out.stderr)
 
 
+@pytest.mark.parametrize("name", ["OFFLOAD_SHIMM", "OFLOAD_SHIM", "offload_shim", "OFFLOAD_SHIM_LOGG"])
+def test_misspelt_switch_is_named_at_import_torch(tmp_path, name):
+    """With ``OFFLOAD_SHIM`` unset, a variable that looks like one of the shim's is named once, with the nearest
+    name, at the program's line that imported torch, and the shim stays off; a variable that only shares a word
+    (``ACCELERATE_FSDP_OFFLOAD_PARAMS``, ``SHIMMER``) is not named."""
+    script = tmp_path / "train.py"
+    out = python("import sys", "import torch", "print('offload_shim' in sys.modules)", script=str(script),
+                 env={name: "1", "ACCELERATE_FSDP_OFFLOAD_PARAMS": "1", "SHIMMER": "1", "PYTHONWARNINGS": "default"})
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout  # the package not even imported
+    near = "OFFLOAD_SHIM_LOG" if name.endswith("LOGG") else "OFFLOAD_SHIM"
+    expected = (f"{script}:2: RuntimeWarning: offload_shim: {name} is not a variable of offload_shim and is ignored "
+                f"(did you mean {near}?); offload_shim is off (OFFLOAD_SHIM is unset)")
+    assert out.stderr.count("RuntimeWarning") == 1 and expected in out.stderr, out.stderr
+
+
+def test_variables_named_without_importing_the_package():
+    """The start-up module's list of variables (what the entry point checks names against) is the package's."""
+    import offload_shim_boot
+    from offload_shim import _config
+
+    assert offload_shim_boot.VARIABLES == _config.ENVIRONMENT
+
+
 def test_false_value_installs_nothing(site):
     """Neither the entry point nor the drop-in (on PYTHONPATH here) installs anything at import torch, nor does
     ``import offload_shim``; the other false spellings through the function activation ends in."""
