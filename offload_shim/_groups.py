@@ -224,7 +224,7 @@ class Pool:
         self.d2h.synchronize()
 
 
-# Idle pools by staging device and slot count; kept across importlib.reload of this module.
+# Idle pools by staging device and kind (:func:`_kind`); kept across importlib.reload of this module.
 _idle: dict[tuple, list[Pool]] = globals().get("_idle", {})
 _busy: list[Pool] = globals().get("_busy", [])
 _pools_lock = globals().get("_pools_lock") or threading.Lock()
@@ -233,15 +233,17 @@ _generation = globals().get("_generation", 0)  # pools of an older generation ar
 
 def pool(device: torch.device, slot_bytes: int, count: int = SLOTS) -> Pool:
     """An idle pool of ``device`` with ``count`` slots of ``slot_bytes``, or a new one (see the module docstring);
-    idle pools of that device and slot count made for another size are freed once their last use has finished.
+    idle pools of that device and kind (``SLOTS`` slots, a synchronous call's; or any other count, an asynchronous
+    call's) made for another size are freed once their last use has finished: a job whose asynchronous calls vary
+    in size keeps one idle pool of their kind per call in flight, not one per size.
     Give it back with :func:`give_back` once the call's copies and collectives are queued (an asynchronous call's:
     once they have run)."""
     stale = []
     with _pools_lock:
-        idle = _idle.setdefault((str(device), count), [])
+        idle = _idle.setdefault(_kind(device, count), [])
         while idle:
             found = idle.pop()
-            if found.slot_bytes == slot_bytes and found.generation == _generation:
+            if found.slot_bytes == slot_bytes and len(found.slots) == count and found.generation == _generation:
                 break
             stale.append(found)
         else:
@@ -254,11 +256,15 @@ def pool(device: torch.device, slot_bytes: int, count: int = SLOTS) -> Pool:
     return found
 
 
+def _kind(device: torch.device, count: int) -> tuple:
+    return str(device), count == SLOTS
+
+
 def give_back(used: Pool) -> None:
     with _pools_lock:
         _busy.remove(used)
         if used.generation == _generation:
-            _idle.setdefault((str(used.device), len(used.slots)), []).append(used)
+            _idle.setdefault(_kind(used.device, len(used.slots)), []).append(used)
             return
     used.synchronize()  # release() ran while this call used the pool: freed once its work is done
 

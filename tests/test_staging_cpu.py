@@ -369,6 +369,22 @@ def check_reused_tensor_given_new_memory(asynchronous, ordered):
                 assert len(_groups.pooled_buffers()) == pools, change
 
 
+def check_async_pools_of_other_sizes_freed():
+    """Asynchronous calls of other sizes (3 to 9 chunks) keep one idle pool of one slot per chunk, the last call's,
+    not one per size; a call of the same size again reuses it. (Gloo's path: on the CPU every tensor is pageable, and
+    the stream-ordered path takes a pool of one slot per chunk for pinned memory only.)"""
+    with staging_through_cpu(chunk_bytes=16):
+        for numel in (12, 20, 36, 36):  # 4 float32 a chunk
+            tensor = rank_input((numel,), torch.float32, seed=numel)
+            expected = tensor.clone()
+            with configured(always_stage=False):
+                dist.all_reduce(expected)
+            dist.all_reduce(tensor, async_op=True).wait()
+            assert same_bits(tensor, expected)
+            idle = [p for (_, sync), pools in _groups._idle.items() if not sync for p in pools]
+            assert [len(p.slots) for p in idle] == [numel // 4], numel
+
+
 def check_lazy_views_chunked_or_not():
     """A lazily conjugated or negated view is staged by its values, chunked or not, and written back through it:
     reading the view gives the reduction (broadcast) of the values read through the views, as the same call on their
@@ -508,6 +524,10 @@ def test_async_chunked_waited_late_and_out_of_order(gloo_ranks, pageable_path, o
 @pytest.mark.parametrize("mode", ["sync", "async", "async_stream_ordered"])
 def test_reused_tensor_given_new_memory(gloo_ranks, mode):
     gloo_ranks.run(check_reused_tensor_given_new_memory, mode != "sync", mode.endswith("ordered"))
+
+
+def test_async_pools_of_other_sizes_freed(gloo_ranks):
+    gloo_ranks.run(check_async_pools_of_other_sizes_freed)
 
 
 def test_lazy_views_chunked_or_not(gloo_ranks):
