@@ -16,13 +16,6 @@ import sys
 import warnings
 
 _FALSE = ("0", "false", "no", "off")  # offload_shim._config's false spellings (that module imports torch)
-# Every variable offload_shim reads (offload_shim._config.ENVIRONMENT, which a test holds equal to this): here, so
-# that the entry point can name a misspelt one without importing the package, which imports torch and installs.
-VARIABLES = (
-    "OFFLOAD_SHIM", "OFFLOAD_SHIM_STAGING_DEVICE", "OFFLOAD_SHIM_ALWAYS_STAGE", "OFFLOAD_SHIM_CHUNK_BYTES",
-    "OFFLOAD_SHIM_ROUTE_MIN_BYTES", "OFFLOAD_SHIM_HOST_STAGING", "OFFLOAD_SHIM_GRAPHS", "OFFLOAD_SHIM_REGISTER_BYTES",
-    "OFFLOAD_SHIM_LOG", "OFFLOAD_SHIM_SUMMARY",
-)
 _warned = False  # activate() warns once per process, whichever paths asked for the shim
 
 
@@ -39,37 +32,16 @@ def autoload() -> None:
         warn_look_alikes()
 
 
-def look_alikes(environ=os.environ) -> list[str]:
-    """Sentences naming each variable of ``environ`` that looks like one of offload_shim's (:data:`VARIABLES`) but is
-    none of them, with the nearest name: one that starts with ``OFFLOAD_SHIM``, or that is within a letter or two of
-    one of them in any case (``OFFLOAD_SHIMM``, ``OFLOAD_SHIM``, ``offload_shim``). The test suite's own
-    ``OFFLOAD_SHIM_TEST_*`` are not named. Cheap where nothing looks alike: it runs at every ``import torch``."""
-    suspects = [
-        name for name in environ
-        if name not in VARIABLES and not name.startswith("OFFLOAD_SHIM_TEST_")
-        and ("SHIM" in name.upper() or name.upper().startswith(("OFFLOAD", "OFLOAD", "OFFLAOD")))
-    ]
-    if not suspects:
-        return []
-    import difflib
-
-    sentences = []
-    for name in sorted(suspects):
-        near = difflib.get_close_matches(name.upper().replace("-", "_"), VARIABLES, n=1, cutoff=0.8)
-        if near or name.startswith("OFFLOAD_SHIM"):
-            sentences.append(f"{name} is not a variable of offload_shim and is ignored"
-                             + (f" (did you mean {near[0]}?)" if near else ""))
-    return sentences
-
-
 def warn_look_alikes() -> None:
     """Where ``OFFLOAD_SHIM`` is unset (the shim off): warn about each variable that looks like one of offload_shim's
-    (:func:`look_alikes`), at the program's line that imported torch; a misspelt switch would leave the shim off
+    (``offload_shim_names.look_alikes``), at the program's line that imported torch; a misspelt switch would leave the shim off
     without a word. Not where the shim switches on all the same, and names them itself: while ``offload_shim`` is
     being imported (its import imports torch), or where the drop-in is this process's ``sitecustomize``."""
     if "offload_shim" in sys.modules or hasattr(sys.modules.get("sitecustomize"), "_offload_shim_activate"):
         return
-    for sentence in look_alikes():
+    import offload_shim_names
+
+    for sentence in offload_shim_names.look_alikes():
         warn_at_program(f"offload_shim: {sentence}; offload_shim is off (OFFLOAD_SHIM is unset)")
 
 

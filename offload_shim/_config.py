@@ -276,10 +276,10 @@ def configure(**changes) -> Settings:
 def unknown_variables(environ=os.environ) -> list[str]:
     """Sentences naming each variable of the environment that looks like one of :data:`ENVIRONMENT` but is none of
     them (a misspelt name is otherwise ignored without a word), with the nearest known name
-    (``offload_shim_boot.look_alikes``, which the entry point also runs while the shim is off)."""
-    import offload_shim_boot
+    (``offload_shim_names.look_alikes``, which the start-up module also runs while the shim is off)."""
+    import offload_shim_names
 
-    return offload_shim_boot.look_alikes(environ)
+    return offload_shim_names.look_alikes(environ)
 
 
 def inert_settings(current: Settings, accelerator_available: bool) -> list[str]:

@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SOURCE_FILES = (
     "setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md", "docs/package.md", "LICENSE", "offload_shim_autoload.py", "offload_shim_boot.py", "offload_shim_cli.py",
+    "offload_shim_names.py",
     "sitecustomize_template.py", "build_backend/offload_shim_build.py",
 )
 

@@ -111,10 +111,10 @@ def test_misspelt_switch_is_named_at_import_torch(tmp_path, name):
 
 def test_variables_named_without_importing_the_package():
     """The start-up module's list of variables (what the entry point checks names against) is the package's."""
-    import offload_shim_boot
+    import offload_shim_names
     from offload_shim import _config
 
-    assert offload_shim_boot.VARIABLES == _config.ENVIRONMENT
+    assert offload_shim_names.VARIABLES == _config.ENVIRONMENT
 
 
 def test_false_value_installs_nothing(site):
