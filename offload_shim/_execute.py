@@ -212,12 +212,12 @@ def _pipelined(plan: Plan):
         source, _ = _host_bytes(tensor, device, True)
         dest, back_out = _host_bytes(target, device, False)
     launch = _launcher(chunks, call)
-    kept = _flats.get(tensor)
-    cuts = kept[1] if kept is not None and kept[0] is source else None  # the caller's own bytes, cut before
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("offload_shim: %s in %d chunks of %d bytes (%s) through %s", entry.label, chunks.count,
                    chunks.step, chunks.kind, device)
     if call.async_op:
+        kept = _flats.get(tensor)
+        cuts = kept[1] if kept is not None and kept[0] is source else None  # the caller's own bytes, cut before
         return _run_async(plan, source, dest, launch, reads, writes, back_out, cuts)
     _run_sync(plan, source, dest, launch, reads, writes)
     if back_out is not None:
