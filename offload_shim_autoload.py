@@ -19,7 +19,7 @@ def autoload() -> None:
     run and the shim was asked for. Never raises."""
     value = os.environ.get("OFFLOAD_SHIM", "")
     if not value.strip() and not any("SHIM" in name.upper() for name in os.environ):
-        return  # (a variable like the switch, misspelt, is named by offload_shim_boot)
+        return  # (a variable like the shim's, misspelt, holds SHIM: offload_shim_names.look_alikes names it)
     try:
         import offload_shim_boot
 
