@@ -19,8 +19,8 @@ one's D2H. Asynchronous (:func:`_run_async`): every H2D and every collective is 
 handle, the call keeping its place in the group's order; a task on the group's completion lane ends the handle's
 wait. On a backend that orders the device's streams (NCCL): pageable input is issued as the synchronous call issues
 it, the lane doing what the sync call does after its last chunk; pinned input gets accelerator memory for every
-chunk, and each chunk's D2H is queued at once behind its collective (into pageable output through a pinned landing,
-whose host copies wait for the ranks' agreement), so the call returns without waiting for the device. On a backend
+chunk, so the call returns without waiting for the device, and the lane checks the ranks' agreement and queues each
+chunk's D2H behind its collective (into pageable output through a pinned landing). On a backend
 whose handles block the host (Gloo), accelerator memory for every chunk, and the lane waits for each chunk and
 copies it back. Pageable host memory goes through pinned bounce buffers: host copies into them on the group's
 ``in`` lane, out of them on its ``out`` lane (or on the completion lane), beside the DMA. A pinned (or registered)
@@ -603,9 +603,9 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
     every collective is queued before this returns. Where the backend orders the device's streams
     (:func:`_stream_ordered`, NCCL's): pageable input goes as the synchronous call's does (the caller waits for its
     host copies in either way), the completion lane doing what the sync call does after its last chunk; pinned
-    input gets accelerator memory for every chunk, so that nothing waits, and each chunk's D2H is queued here too,
-    behind its collective, into the caller's pinned memory or a pinned landing; the completion lane checks the
-    ranks' agreement, copies landed chunks into pageable memory, and ends the handle's wait. Elsewhere (Gloo,
+    input gets accelerator memory for every chunk, so that nothing waits, and the completion lane checks the ranks'
+    agreement, queues each chunk's D2H behind its collective (into the caller's pinned memory or a pinned landing),
+    copies landed chunks into pageable memory, and ends the handle's wait. Elsewhere (Gloo,
     staging through the host: ``wait()`` blocks), accelerator memory for every chunk, and the completion lane waits
     for each chunk, copies it back, and ends the handle's wait."""
     call, chunks, device = plan.call, plan.chunks, plan.device
@@ -659,23 +659,10 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
     works, free, copies_in, copies_out = [], [None, None], {}, []
     lane_in = _groups.lane(group, "in") if bounce_in else None
     lane_out = _groups.lane(group, "out") if landing is not None else None
-    failed = []  # the agreement's error, for the out lane's later tasks
 
     def copy_in(index: int) -> None:
         view = ins[index][1]
         copies_in[index] = lane_in.submit(_copy_after, free[index % 2], [(buffers_in[index % 2][: view.numel()], view)])
-
-    def check(event) -> None:  # the out lane's first task: before any copy into the caller's pageable memory
-        event.synchronize()
-        try:
-            _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
-        except StagingError as error:
-            failed.append(error)
-            raise
-
-    def copy_out(event, pairs) -> None:
-        if not failed:
-            _copy_after(event, pairs)
 
     def back(index: int, slot) -> None:  # on the D2H stream: chunk ``index``'s D2H, behind its collective
         works[index + 1].wait()
@@ -686,7 +673,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
         land = landing[index]
         land.copy_(slot[: land.numel()], non_blocking=True)
         pairs = [(view, land[offset : offset + view.numel()]) for offset, view in outs[index]]
-        copies_out.append(lane_out.submit(copy_out, d2h.record_event(), pairs))
+        copies_out.append(lane_out.submit(_copy_after, d2h.record_event(), pairs))
 
     h2d.wait_stream(_staging.current_stream(device))
     h2d.wait_stream(d2h)  # a pool a synchronous call gave back: after its last D2H from the slots
@@ -694,13 +681,6 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
         try:
             with h2d:  # every H2D and collective queued on the H2D stream
                 works.append(_launch_agreement(group, agreement))
-            if ordered:
-                with d2h:
-                    works[0].wait()
-                    agreed.copy_(agreement, non_blocking=True)
-                    checkable = d2h.record_event()
-                if lane_out is not None:
-                    copies_out.append(lane_out.submit(check, checkable))
             if bounce_in:
                 copy_in(0)
             with h2d:
@@ -717,13 +697,6 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                             if index + 1 < chunks.count:
                                 copy_in(index + 1)
                     works.append(issue(wire[index]))
-            if ordered:
-                with d2h:
-                    if writes:  # each D2H queued behind its collective: the host waits for nothing here
-                        for index, slot in enumerate(slots):
-                            back(index, slot)
-                    else:  # the pool is reused once the D2H stream has passed the last collective
-                        works[-1].wait()
         except BaseException:
             _settle([*copies_in.values(), *copies_out], quietly=True)
             _groups.discard(pool)  # (collectives may still use its memory: never reused)
@@ -731,15 +704,28 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
     read = h2d.record_event()  # the caller's memory has been read once this has completed
 
     def complete_ordered() -> None:
+        """On the completion lane, once the call has returned: the agreement's D2H, its check, then each chunk's D2H
+        queued behind its collective (none is queued into the caller's memory before the ranks are known to agree),
+        and the wait for the copies."""
         try:
-            if lane_out is None:
-                checkable.synchronize()
+            with torch.no_grad(), _staging.writable(dest), d2h:
+                works[0].wait()
+                agreed.copy_(agreement, non_blocking=True)
+                d2h.record_event().synchronize()
                 _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
-            _settle(copies_out)  # (the agreement checked first)
-        finally:  # the staging memory is in use until every queued copy has run
-            d2h.synchronize()
-            read.synchronize()
-            _groups.give_back(pool)
+                if writes:
+                    for index, slot in enumerate(slots):
+                        back(index, slot)
+                else:  # the pool is reused once the D2H stream has passed the last collective
+                    works[-1].wait()
+            _settle(copies_out)
+        except BaseException:
+            _settle(copies_out, quietly=True)
+            _groups.discard(pool)  # (collectives may still use its memory: never reused)
+            raise
+        d2h.synchronize()  # the staging memory is in use until every queued copy has run
+        read.synchronize()
+        _groups.give_back(pool)
         if back_out is not None:
             with torch.no_grad():
                 back_out()
