@@ -407,6 +407,7 @@ class StagedArguments:
         self.device = device
         self.source = source
         self._written: list[tuple[torch.Tensor, torch.Tensor]] = []  # (caller's tensor, staged tensor)
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # every (caller's, staged) tensor, read or written
         self._copied = False
         self._lock = threading.Lock()
 
@@ -426,6 +427,7 @@ class StagedArguments:
                 staged = torch.empty(value.shape, dtype=value.dtype, device=self.device, pin_memory=pinned)
         if writes:
             self._written.append((value, staged))
+        self.pairs.append((value, staged))
         return staged
 
     def callers(self) -> list[torch.Tensor]:
@@ -460,7 +462,7 @@ class StagedArguments:
         (default: the caller's tensors the call writes)."""
         tensors = self.callers() if tensors is None else tensors
         if isinstance(result, dist.Work):
-            return StagedWork([result], self.copy_back, tensors, writes_to=self.callers())
+            return StagedWork([result], self.copy_back, tensors, writes_to=self.callers(), pairs=self.pairs)
         if isinstance(result, torch._C.Future):  # torch.futures.Future subclasses it; c10d returns the base
             done = torch.futures.Future()
             token = expect_writes(self.callers(), done.wait)
@@ -488,6 +490,35 @@ def _wait_if_alive(handle: weakref.ref) -> None:
         work.wait()
 
 
+def counterparts(results, pairs) -> list:
+    """The caller's side of ``results``, what a backend handle of a staged call gives (``result()``, its future's
+    value): a tensor that lies in a staged tensor's memory becomes the same view of the caller's tensor it stands for
+    (Gloo's gather into one tensor gives one view of the output per rank); the staged tensor itself, or a view that
+    the caller's layout or dtype cannot hold, the caller's tensor; anything else as it is.
+
+    Args:
+        results: the backend's answer (a list of tensors).
+        pairs: ``(caller's tensor, staged tensor)`` of each staged argument."""
+    return [_counterpart(tensor, pairs) for tensor in results]
+
+
+def _counterpart(tensor, pairs):
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    start = tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+    for caller, staged in pairs:
+        base = staged.untyped_storage().data_ptr() + staged.storage_offset() * staged.element_size()
+        if not base <= start < base + max(staged.numel(), 1) * staged.element_size():
+            continue
+        if tensor.dtype != caller.dtype or staged.dtype != caller.dtype or staged.stride() != caller.stride() or (
+            tensor.size() == staged.size() and tensor.stride() == staged.stride() and start == base
+        ):
+            return caller
+        offset = caller.storage_offset() + tensor.storage_offset() - staged.storage_offset()
+        return caller.as_strided(tensor.size(), tensor.stride(), offset)
+    return tensor
+
+
 class _StagedHandle(dist.Work):
     """What the work handles of staged calls share: ``synchronize()``, ``block_current_stream()`` and ``result()``
     end as ``wait()`` does (the results are host memory: nothing to order on a stream), and what describes the
@@ -506,7 +537,13 @@ class _StagedHandle(dist.Work):
         self.wait()
 
     def result(self) -> list[torch.Tensor]:
+        """What the backend's own handle of the collective gives (its error too: Gloo's ``reduce_scatter_tensor``
+        has no ``result()``), in the caller's tensors: see :func:`counterparts`."""
         self.wait()
+        return self._counterparts(self._described_by().result())
+
+    def _counterparts(self, results) -> list[torch.Tensor]:
+        """``results``, a handle's answer on staged tensors, as the caller's tensors (subclasses: how)."""
         return list(self._tensors)
 
     def source_rank(self) -> int:
@@ -538,11 +575,16 @@ class StagedWork(_StagedHandle):
         done: an event that has completed once ``finish`` can run without blocking, if known.
         writes_to: the caller's tensors ``finish`` writes (default ``tensors``).
         error: an exception the call already met (raised by ``wait()``, as torch raises it there).
+        pairs: ``(caller's tensor, staged tensor)`` of every staged argument, through which the backend handle's
+            ``result()`` and future values are given as the caller's tensors (:func:`counterparts`); without them,
+            ``tensors``.
     """
 
-    def __init__(self, works, finish: Callable[[], None], tensors, done=None, writes_to=None, error=None):
+    def __init__(self, works, finish: Callable[[], None], tensors, done=None, writes_to=None, error=None,
+                 pairs=None):
         super().__init__()
         self._works = works
+        self._pairs = pairs
         self._finish = finish
         self._tensors = tensors
         self._done = done
@@ -561,9 +603,10 @@ class StagedWork(_StagedHandle):
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         if self._error is not None:
             raise self._error
-        if self._finished:
+        if self._finished and self._waited == len(self._works):
             return True
-        with self._wait_lock:
+        with self._wait_lock:  # (after a future's callback finished the call: each work waited once all the same,
+            # so that its own handle has completed, as torch's does after wait(), before result() asks it)
             while self._waited < len(self._works):
                 work = self._works[self._waited]
                 try:
@@ -593,6 +636,9 @@ class StagedWork(_StagedHandle):
                 written(self._token)
                 self._finished = True
         return True
+
+    def _counterparts(self, results) -> list[torch.Tensor]:
+        return list(self._tensors) if self._pairs is None else counterparts(results, self._pairs)
 
     def is_completed(self) -> bool:
         if self._finished or self._error is not None:
@@ -650,17 +696,19 @@ class StagedWork(_StagedHandle):
             # Runs where torch completes the last future (a backend's thread): it waits on no work, and takes no lock
             # that a thread waiting on a work holds.
             try:
+                values = []
                 for each in futures.value():
                     try:
-                        each.value()  # the collective's error, as torch raised it
+                        values.append(each.value())  # the collective's error, as torch raised it
                     except Exception as error:
                         self._fail(error)
                         raise
                 self._settle()
+                answer = self._counterparts(values[self._works.index(self._described_by())]) if values else []
             except Exception as error:
                 done.set_exception(error)
             else:
-                done.set_result(list(self._tensors))
+                done.set_result(answer if values else list(self._tensors))
 
         if self._error is not None or not self._works:
             finished(torch.futures.collect_all([]))
@@ -701,6 +749,14 @@ class BackgroundWork(_StagedHandle):
     def _described_by(self):
         return self._works[-1]  # a chunk's (the first is the ranks' agreement)
 
+    def _counterparts(self, results) -> list[torch.Tensor]:
+        """A chunk's answer for the whole call: one tensor (every backend's elementwise collective; NCCL's gather),
+        the caller's; one per rank (Gloo's gather into one tensor, cut along its first dimension), the caller's
+        output cut the same way."""
+        if len(results) > 1:
+            return list(self._tensors[0].chunk(len(results)))
+        return list(self._tensors)
+
     def is_completed(self) -> bool:
         return self._completion.done()
 
@@ -717,7 +773,10 @@ class BackgroundWork(_StagedHandle):
         def finished(completion) -> None:
             error = completion.exception()
             if error is None:
-                done.set_result(list(self._tensors))
+                try:
+                    done.set_result(self._counterparts(self._described_by().result()))
+                except Exception as error:  # noqa: BLE001 - the backend's own handle has no result()
+                    done.set_exception(error)
             else:
                 done.set_exception(error)
 

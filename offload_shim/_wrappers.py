@@ -227,7 +227,7 @@ def _staged_batch(wrapped, operations, device, source: str = "cpu"):
     with _staging.staged_call():
         works = wrapped(operations)
     if len(works) == len(operations):  # one work per operation (Gloo): each handle finishes its own receive
-        return [_staging.StagedWork([w], a.copy_back, a.callers()) for w, a in zip(works, staged)]
+        return [_staging.StagedWork([w], a.copy_back, a.callers(), pairs=a.pairs) for w, a in zip(works, staged)]
 
     def copy_back():
         for arguments in staged:
@@ -238,7 +238,8 @@ def _staged_batch(wrapped, operations, device, source: str = "cpu"):
         return works
     # One work for the batch (NCCL coalesces it): one handle, at every position, that waits the batch once and
     # copies every receive back.
-    return [_staging.StagedWork(works, copy_back, [t for a in staged for t in a.callers()])] * len(works)
+    return [_staging.StagedWork(works, copy_back, [t for a in staged for t in a.callers()],
+                                pairs=[pair for a in staged for pair in a.pairs])] * len(works)
 
 
 def _current(operation):
