@@ -510,6 +510,31 @@ def test_handle_results_as_torch(gloo_ranks, three_gloo_ranks):
     three_gloo_ranks.run(check_handle_results_as_torch)
 
 
+def check_functional_results_lazy_as_torch():
+    """A functional collective and DTensor's ``redistribute(..., async_op=True)``, staged, return torch's
+    ``AsyncCollectiveTensor``, not yet waited (PyTorch's test_dtensor_async_output), and a view of it is one too;
+    its values are torch's once waited."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    answers = []
+    for staged in (False, True):
+        with configured(staging_device="cpu" if staged else None, always_stage=staged):
+            reduced = funcol.all_reduce(torch.arange(6.0) + dist.get_rank(), "sum", dist.group.WORLD)
+            spread = distribute_tensor(torch.arange(8.0).view(4, 2), mesh, [Shard(0)])
+            local = spread.redistribute(mesh, [Replicate()], async_op=True).to_local()
+            view = local.view(-1)
+            answer = [type(reduced), type(local), local.completed, type(view), local.completed]
+            answers.append(answer + [funcol.wait_tensor(reduced).tolist(), funcol.wait_tensor(local).tolist()])
+    assert answers[0][:5] == [funcol.AsyncCollectiveTensor, funcol.AsyncCollectiveTensor, False,
+                              funcol.AsyncCollectiveTensor, False], answers[0]
+    assert answers[1] == answers[0], answers
+
+
+def test_functional_results_lazy_as_torch(gloo_ranks):
+    gloo_ranks.run(check_functional_results_lazy_as_torch)
+
+
 # ---------------------------------------------------------------- bool reductions, bitwise
 
 
