@@ -381,7 +381,8 @@ def _check_ranks(backend: str | None) -> list:
                 call = _plan.Call(_table.C10D["all_reduce"], _plan.C10D, group, {"tensor": probe}, op=dist.ReduceOp.SUM)
                 plan = _plan.decide(call)  # what a CPU all_reduce of this size would do, decided as for any call
                 through = None if plan is None else plan.device
-                lines.append(f"a {nbytes}-byte CPU all_reduce: " + (f"staged through {through}" if through else "left to torch (the group serves cpu)"))
+                why = "the group serves cpu" if served else "its backend records no device types: passed through"
+                lines.append(f"a {nbytes}-byte CPU all_reduce: " + (f"staged through {through}" if through else f"left to torch ({why})"))
             except offload_shim.StagingError:
                 lines.append(f"a {nbytes}-byte CPU all_reduce: refused (StagingError)")
         tensor = torch.full((4,), float(rank + 1))

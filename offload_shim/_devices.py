@@ -102,8 +102,34 @@ def _backend_names(group: dist.ProcessGroup) -> list[str]:
     return names
 
 
+def unreadable(group: dist.ProcessGroup) -> bool:
+    """Whether the device types ``group`` serves cannot be read (no record of its own, none in
+    ``Backend.backend_capability`` for its backend: a Python process group registered with ``devices=[]``, say).
+    The shim cannot tell what such a group serves, so its calls go to torch untouched, in every mode; the first time
+    per group, one log line says so (``offload-shim doctor`` says it for the default group)."""
+    if served_device_types(group):
+        return False
+    if group not in _passed_through:
+        try:
+            _passed_through[group] = True
+        except TypeError:  # a group type without weak references: said each time
+            pass
+        _log.warning(
+            "offload_shim: process group %s with backend %r records no device types (neither the group nor "
+            "torch.distributed.Backend.backend_capability): its calls go to torch untouched, never staged",
+            group_label(group), backend_description(group),
+        )
+    return True
+
+
+_passed_through: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # unreadable groups already logged
+
+
 def group_label(group: dist.ProcessGroup) -> str:
-    name = getattr(group, "group_name", None)
+    try:  # (a Python process group's property may raise: torch's test groups raise until named)
+        name = getattr(group, "group_name", None)
+    except Exception:  # noqa: BLE001
+        name = None
     desc = getattr(group, "group_desc", None)
     return f"{name!r}" + (f" ({desc})" if desc and desc != "undefined" else "")
 

@@ -181,6 +181,8 @@ def decide(call: Call) -> Plan | None:
             _groups.agree(group, settings, None, call.entry.label)  # agreed before, under these settings
         return _stage(call, device, _counters.STAGED, settings, host, tensors)  # as decided below before
     served = _devices.served_device_types(group)
+    if not served and _devices.unreadable(group):
+        return None  # what the group serves cannot be read: torch's call, untouched
     for tensor in host:
         if not _staging.needs_staging(tensor):  # sparse, nested or quantized: left to a CPU backend, never staged
             return _devices.unstaged_layout(tensor, group, call.entry.label, served)

@@ -535,6 +535,79 @@ def test_functional_results_lazy_as_torch(gloo_ranks):
     gloo_ranks.run(check_functional_results_lazy_as_torch)
 
 
+class _DoneWork(dist.Work):
+    def wait(self, timeout=None):
+        return True
+
+
+class _EchoGroup(dist.ProcessGroup):
+    """A process group written in Python (as PyTorch's own tests register them) whose all_reduce leaves its tensor
+    as it is and records the call."""
+
+    def __init__(self, rank, world, name):
+        super().__init__(rank, world)
+        self.calls, self._name = [], name
+
+    def allreduce(self, tensors, opts):
+        self.calls.append([t.clone() for t in tensors])
+        return _DoneWork()
+
+    def getBackendName(self):
+        return self._name
+
+    @property
+    def group_name(self):
+        return self._name
+
+    def _set_group_name(self, name):
+        self._name = name
+
+
+def check_unreadable_backends_passed_through():
+    """A group whose backend records no device types (a Python process group registered with ``devices=[]``) goes
+    to torch untouched whatever the settings: torch's own error, the tensor unchanged, one log line per group. One
+    registered with ``devices=["cpu"]`` is read as serving the host, and its call runs, staged when forced."""
+    import logging
+
+    answers, made = {}, {}
+    for devices in ([], ["cpu"]):
+        name = f"echo_{len(devices)}"
+
+        def create(store, rank, world, timeout, name=name):
+            made[name] = _EchoGroup(rank, world, name)
+            return made[name]
+
+        dist.Backend.register_backend(name, create, devices=devices)
+        group = dist.new_group(list(range(dist.get_world_size())), backend=name)
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("offload_shim").addHandler(handler)
+        try:
+            for staged in (False, True):
+                tensor = torch.arange(3.0)
+                with configured(staging_device="cpu" if staged else None, always_stage=staged):
+                    for _ in range(2):
+                        try:
+                            dist.all_reduce(tensor, group=group)
+                            answers[name, staged] = ("ran", len(made[name].calls))
+                        except RuntimeError as error:
+                            answers[name, staged] = (type(error), str(error))
+                assert torch.equal(tensor, torch.arange(3.0)), tensor
+        finally:
+            logging.getLogger("offload_shim").removeHandler(handler)
+        passed = [r.getMessage() for r in records if "records no device types" in r.getMessage()]
+        assert len(passed) == (0 if devices else 1), passed
+    assert answers["echo_0", True] == answers["echo_0", False], answers
+    assert answers["echo_0", False][0] is RuntimeError and "No backend type" in answers["echo_0", False][1], answers
+    assert answers["echo_1", False] == ("ran", 2) and answers["echo_1", True] == ("ran", 4), answers
+    assert torch.equal(made["echo_1"].calls[-1][0], torch.arange(3.0))
+
+
+def test_unreadable_backends_passed_through(gloo_ranks):
+    gloo_ranks.run(check_unreadable_backends_passed_through)
+
+
 # ---------------------------------------------------------------- bool reductions, bitwise
 
 
