@@ -19,6 +19,25 @@ __version__ = "0.2.0"
 
 import logging
 
+
+def _require(name: str, how: str) -> None:
+    """Import ``name``, or say that offload_shim needs it and how to install it (not a bare ModuleNotFoundError)."""
+    import sys
+
+    try:
+        __import__(name)
+    except ModuleNotFoundError as missing:
+        if missing.name != name:
+            raise
+        raise ModuleNotFoundError(
+            f"offload_shim requires {name}, which is not installed in this environment ({sys.executable}): {how}",
+            name=name,
+        ) from None
+
+
+_require("torch", "pip install torch (https://pytorch.org/get-started/locally/ gives the command for your accelerator)")
+_require("wrapt", "pip install wrapt")
+
 from offload_shim import _counters, _kernels, _patching, _replay, _warning_location
 from offload_shim._communicators import register_communicator
 from offload_shim._config import ConfigError, Settings, configure, settings

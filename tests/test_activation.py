@@ -182,6 +182,29 @@ def test_import_offload_shim_installs():
     assert "[rank" not in out.stderr and "offload_shim" not in out.stderr, out.stderr  # quiet without OFFLOAD_SHIM_LOG
 
 
+def test_import_without_torch_says_torch_is_required():
+    """``import offload_shim`` where torch cannot be imported (a finder that answers for torch as Python does for a
+    module that is not installed): a ModuleNotFoundError for torch that says offload_shim requires it and how to
+    install it, not a bare ``No module named 'torch'``."""
+    out = python(
+        """
+        import sys
+        class NotInstalled:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "torch":
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        sys.meta_path.insert(0, NotInstalled())
+        try:
+            import offload_shim
+        except ModuleNotFoundError as error:
+            print(error.name, "|", error)
+        """
+    )
+    assert last_line(out) == (f"torch | offload_shim requires torch, which is not installed in this environment "
+                              f"({sys.executable}): pip install torch (https://pytorch.org/get-started/locally/ gives "
+                              "the command for your accelerator)"), out.stdout
+
+
 def test_torch_autoload_switch_off_is_respected():
     out = python(IMPORT_TORCH, REPORT, env={"OFFLOAD_SHIM": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     assert last_line(out) == NONE_WRAPPED
