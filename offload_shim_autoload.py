@@ -30,10 +30,17 @@ def autoload() -> None:
         import sys
         import warnings
 
-        warnings.warn(
-            f"offload_shim is not enabled: its start-up module cannot run ({type(exc).__name__}: {exc}); the "
-            f"installation in this environment ({sys.executable}) is broken or half removed: reinstall offload_shim, "
-            f"or pip uninstall offload_shim [asked for by OFFLOAD_SHIM={value!r}]",
-            RuntimeWarning,
-            stacklevel=2,
+        frame = sys._getframe(1)  # the program's line that imported torch, not torch's line that runs entry points
+        while frame.f_back is not None and (
+            (frame.f_globals.get("__name__") or "").split(".")[0] in ("torch", "importlib")
+            or frame.f_code.co_filename.startswith("<frozen importlib")
+        ):
+            frame = frame.f_back
+        warnings.warn_explicit(
+            f"offload_shim is not enabled: its start-up module cannot run ({type(exc).__name__}: {exc}). What is "
+            f"left of offload_shim in this environment ({sys.executable}) is its torch entry point, which torch "
+            f"runs at every import torch (an editable install whose clone was deleted leaves it): pip uninstall "
+            f"offload_shim removes it, or install offload_shim again [asked for by OFFLOAD_SHIM={value!r}]",
+            RuntimeWarning, frame.f_code.co_filename, frame.f_lineno, module=frame.f_globals.get("__name__"),
+            registry=frame.f_globals.setdefault("__warningregistry__", {}),
         )

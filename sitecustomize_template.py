@@ -80,11 +80,26 @@ def _offload_shim_activate():
 
     try:
         import offload_shim_boot
-    except ImportError:
-        warnings.warn(
-            f"offload_shim is not enabled: offload_shim is not installed in this environment ({sys.executable}): "
-            f"pip install offload_shim, or set OFFLOAD_SHIM=0 [asked for by the drop-in {os.path.realpath(__file__)}]",
-            RuntimeWarning,
+    except ImportError:  # the package is gone and this drop-in was left behind
+        argv = getattr(sys, "orig_argv", sys.argv)  # (offload_shim_boot.in_torchrun_launcher's rule, which is gone)
+        if (len(argv) > 1 and os.path.basename(argv[1]) == "torchrun") or any(
+            flag == "-m" and module in ("torch.distributed.run", "torch.distributed.launch")
+            for flag, module in zip(argv[1:], argv[2:])
+        ):
+            return  # torchrun's own process: each rank it starts says it
+        frame = sys._getframe(1)  # the program's line that imported torch, not a line of this file or torch's
+        while frame.f_back is not None and (
+            (frame.f_globals.get("__name__") or "").split(".")[0] in ("sitecustomize", "torch", "importlib")
+            or frame.f_code.co_filename.startswith("<frozen importlib")
+        ):
+            frame = frame.f_back
+        here = os.path.realpath(__file__)
+        warnings.warn_explicit(
+            f"offload_shim is not enabled: offload_shim is not installed in this environment ({sys.executable}), but "
+            f"its start-up drop-in {here} is still on PYTHONPATH and asks for it at every import torch: remove that "
+            f"file (or its folder from PYTHONPATH), or pip install offload_shim; OFFLOAD_SHIM=0 silences this",
+            RuntimeWarning, frame.f_code.co_filename, frame.f_lineno, module=frame.f_globals.get("__name__"),
+            registry=frame.f_globals.setdefault("__warningregistry__", {}),
         )
         return
     # Imports offload_shim, which installs unless OFFLOAD_SHIM is false; warns once if it cannot.

@@ -462,6 +462,27 @@ def test_sitecustomize_never_breaks_start_up(site, tmp_path, missing):
                                 f"[asked for by the drop-in {os.path.realpath(site[0])}") == 1, out.stderr
 
 
+def test_drop_in_left_behind_warns_once_per_rank_at_the_program(site, tmp_path):
+    """``pip uninstall offload_shim`` with the drop-in left on PYTHONPATH (its start-up module gone: a stub in its
+    place): ``import torch`` works and warns once, at the program's line, naming the drop-in to remove; under torchrun
+    once in each rank and not in torchrun's own process."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    (stubs / "offload_shim_boot.py").write_text("raise ModuleNotFoundError(\"No module named 'offload_shim_boot'\")\n")
+    path = os.pathsep.join([site[0], str(stubs)])
+    drop_in = os.path.realpath(os.path.join(site[0], "sitecustomize.py"))
+    said = (rf"RuntimeWarning: offload_shim is not enabled: offload_shim is not installed in this environment "
+            rf"\({re.escape(sys.executable)}\), but its start-up drop-in {re.escape(drop_in)} is still on PYTHONPATH "
+            r"and asks for it at every import torch: remove that file \(or its folder from PYTHONPATH\), or pip "
+            r"install offload_shim; OFFLOAD_SHIM=0 silences this")
+    out = python("import os\nimport torch\nprint('torch imported')", env={"PYTHONPATH": path}, cwd=tmp_path)
+    assert last_line(out) == "torch imported"
+    assert re.fullmatch(rf"<string>:2: {said}\n", out.stderr), out.stderr
+    _, stderr = torchrun(tmp_path, {"PYTHONPATH": path})
+    at_line = re.compile(rf"^{re.escape(str(tmp_path / 'train.py'))}:2: {said}$", re.M)
+    assert len(at_line.findall(stderr)) == 2 and stderr.count("offload_shim is not enabled") == 2, stderr
+
+
 def _editable_site(tmp_path) -> tuple[pathlib.Path, pathlib.Path]:
     """An editable install of a copy of this tree, as ``pip install -e`` makes it (the build backend's editable
     wheel, installed): ``(source, site)``, ``site`` holding the metadata, the ``.pth`` line and the entry point's
@@ -522,8 +543,10 @@ def test_start_up_hook_never_breaks_import_torch(tmp_path, wheel_site, layout):
         out = python(code, env={"OFFLOAD_SHIM": value, "PYTHONPATH": str(site)}, cwd=tmp_path)
         assert last_line(out) == ("installed" if value and intact else "not installed"), out.stdout
         messages = [line for line in out.stderr.splitlines() if "offload_shim" in line]
-        if value and not intact:
-            assert len(messages) == 1 and "offload_shim is not enabled: its start-up module cannot run" in messages[0]
+        if value and not intact:  # at the program's import torch (line 5 of the code), not a line of torch's
+            assert len(messages) == 1 and messages[0].startswith(
+                "<string>:5: RuntimeWarning: offload_shim is not enabled: its start-up module cannot run"), messages
+            assert "pip uninstall offload_shim removes it" in messages[0], messages
         else:
             assert messages == [], out.stderr
 
