@@ -50,6 +50,26 @@ def test_readme_is_a_short_front_door():
         assert headings[heading] < 100, heading
 
 
+FIGURE = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|us|GB/s|x)\b")  # a measured time, bandwidth or ratio
+
+
+@pytest.mark.parametrize("path", list(DOCS), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_figure_names_its_run(path):
+    """Every section (text between two headings) that gives a measured figure names the committed run in results/
+    it comes from (a run that is no longer there cannot be checked)."""
+    unnamed = []
+    heading = "(the top)"
+    for part in re.split(r"^(#+ .*)$", DOCS[path], flags=re.M):
+        if re.match(r"#+ ", part):
+            heading = part
+        elif FIGURE.search(part):
+            runs = re.findall(r"results/((?:gpu|cpu)/[\w.-]+)", part)
+            if not runs:
+                unnamed.append((heading, FIGURE.findall(part)[:3]))
+            unnamed += [(heading, run) for run in runs if not (ROOT / "results" / run).is_dir()]
+    assert unnamed == []
+
+
 @pytest.mark.parametrize("path", list(DOCS), ids=lambda p: str(p.relative_to(ROOT)))
 def test_docs_name_no_issue_numbers_or_commit_hashes(path):
     text = DOCS[path]
