@@ -31,6 +31,19 @@ def fault_ranks():
     pool.close()
 
 
+def _group_that_times_out(seconds: float = 1.0, **staging):
+    """A fresh group of every rank whose collectives time out after ``seconds``, with every rank's first staged call
+    on it made (their agreement on settings). Made with a generous timeout and shortened once every rank is there:
+    making a group and the first call wait for every rank, which a loaded machine may take more than a second for
+    (a 1 s group made at once failed now and then with DistStoreError on two cores)."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=120))
+    with staging_through_cpu(**staging):
+        dist.all_reduce(torch.ones(1), group=group)
+    dist.barrier(group=group)
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+    return group
+
+
 def _reference(tensor, *calls):
     """``tensor``'s copy after ``calls`` (each ``fn(t)``) made by torch, unstaged."""
     copy = tensor.clone()
@@ -118,9 +131,7 @@ def check_async_error_surfaces_where_torch_raises_it(numel):
     ``wait()``, ``is_completed()`` returns True, the future carries torch's exception. Staged, the same, with the
     caller's tensor unchanged. (Both ranks stage one call on the group first: a rank's first staged call on a group
     waits for its peers' first one, to compare their settings, as NCCL's first call on a group waits for them.)"""
-    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
-    with staging_through_cpu(chunk_bytes=CHUNK):
-        dist.all_reduce(torch.ones(numel), group=group)
+    group = _group_that_times_out(chunk_bytes=CHUNK)
     if dist.get_rank() == 1:
         return None  # never joins again
     outcomes = []
@@ -517,10 +528,9 @@ def test_future_and_wait_mixed(gloo_ranks, numel):
 def check_failed_handle_stays_with_its_handle():
     """A failed async call left unwaited on rank 0 (its peer never joins): a later call on overlapping memory runs
     normally; the old failure is raised by the old handle only."""
-    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    group = _group_that_times_out()
     tensor = torch.ones(4)
     with staging_through_cpu():
-        dist.all_reduce(torch.ones(4), group=group)  # both ranks' first staged call on it (their agreement)
         if dist.get_rank() == 0:
             work = dist.all_reduce(tensor, group=group, async_op=True)
             time.sleep(2)
