@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from offload_shim import _counters, _devices, _groups, _registration, _replay, _staging
 from offload_shim._devices import StagingError, group_label
 from offload_shim._plan import C10D, Chunks, Plan
-from offload_shim._table import BOTH, ELEMENTWISE, NONE, READ, WRITE
+from offload_shim._table import AFTER_THE_WIRE, AUTOGRAD, BOTH, ELEMENTWISE, NONE, READ, WRITE
 
 _log = logging.getLogger("offload_shim")
 
@@ -66,28 +66,72 @@ def run(plan: Plan, caller):
         What torch's call returns: ``None``, a work handle (``async_op=True``), a future, or the op's result.
 
     Raises:
-        What torch raises of the call's tensors (the entry's refusals) before anything is copied;
-        :class:`StagingError` where the ranks disagree on a pipelined call; what the collective raises.
+        What torch raises of the call's tensors (the entry's refusals) where torch raises it: before anything is
+        copied, or after the wire (:func:`_refused_after_the_wire`); :class:`StagingError` where the ranks disagree
+        on a pipelined call; what the collective raises.
     """
     call = plan.call
     mode = plan.mode
-    for arg in call.entry.args:  # refused as torch refuses, before anything is staged (and not counted)
-        if arg.refusal is not None and arg.role_on(call.root) != NONE:
-            for tensor in _tensors(call.values.get(arg.name)):
-                error = arg.refusal(tensor)
-                if error is not None:
-                    raise error
+    refused = _refused_after_the_wire(plan)
     try:
         if mode is _counters.SMALL:
             replayed, result = _small(plan, caller)
             if replayed:
                 mode = _counters.REPLAYED
-            return result
-        if mode is _counters.PIPELINED:
-            return _pipelined(plan)
-        return _whole(plan, caller)
+        elif mode is _counters.PIPELINED:
+            result = _pipelined(plan)
+        else:
+            result = _whole(plan, caller)
     finally:
         _counters.count(call.entry.label, mode, plan.nbytes)
+    if refused is None:
+        return result
+    if isinstance(result, dist.Work):  # raised by wait(), once the call has completed, as Gloo's handle does
+        return _staging.StagedWork([result], lambda: _raise(refused), [], writes_to=[])
+    if isinstance(result, torch._C.Future):  # (all_reduce_coalesced's): completed with the error, unwrapped
+        failed = torch.futures.Future()
+        result.add_done_callback(lambda _: failed.set_exception(refused))
+        return failed
+    raise refused
+
+
+def _refused_after_the_wire(plan: Plan):
+    """Check the call's tensors as the backend the call is staged on does (the entry's refusals, ``_table``): raise
+    what it raises before anything is sent; return what it raises only after the wire (``AFTER_THE_WIRE``), or
+    ``None``. Outputs that autograd would refuse (``AUTOGRAD``) are refused only where that backend also serves the
+    host (Gloo); one that serves only the accelerator (NCCL) writes them from C++. Where one is refused after the
+    wire, the refused arguments are replaced in ``plan.call`` by scratch tensors of their shapes: the call's
+    collectives run as on every other rank, the caller's outputs stay unchanged, and the caller raises afterwards."""
+    call, after = plan.call, []
+    refused = None
+    for arg in call.entry.args:
+        if arg.refusal is None or arg.role_on(call.root) == NONE:
+            continue
+        for tensor in _tensors(call.values.get(arg.name)):
+            error = arg.refusal(tensor)
+            if error is None or arg.refusal in AUTOGRAD and _stream_ordered(call.group, plan.device):
+                continue
+            if arg.refusal not in AFTER_THE_WIRE:
+                raise error  # (before anything is staged, and not counted)
+            refused = refused or error
+            after.append(arg.name)
+    if refused is None:
+        return None
+    for name in set(after):
+        call.values = {**call.values, name: _scratch(call.values[name])}
+    return refused
+
+
+def _scratch(value):
+    """Copies of ``value``'s tensors that are not the caller's (lists kept as lists): what the call reads of them
+    is the caller's, what it writes goes nowhere."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_scratch(v) for v in value)
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _raise(error: BaseException):
+    raise error
 
 
 def _tensors(value):

@@ -74,7 +74,19 @@ def _contiguous_only(error: type, message: str) -> Callable[[torch.Tensor], Exce
     return refusal
 
 
-AUTOGRAD_WRITTEN = inplace_refusal  # outputs torch's CPU backend writes with copies that autograd checks
+def _inplace_refusal_first(tensor: torch.Tensor) -> Exception | None:
+    return inplace_refusal(tensor)
+
+
+# Outputs that a backend serving the host (Gloo) writes with copies autograd checks, so that it raises on the rank
+# that holds them: after the collective has communicated (it moves the data, then its copy into the outputs raises
+# on that rank alone, the outputs unchanged, and its peers return), or for the list reduce_scatter before (it
+# writes its output before it sends). NCCL writes them from C++ and refuses none. Every other refusal is torch's on
+# every backend, before anything is sent.
+AUTOGRAD_WRITTEN = inplace_refusal
+AUTOGRAD_WRITTEN_FIRST = _inplace_refusal_first
+AUTOGRAD = frozenset({AUTOGRAD_WRITTEN, AUTOGRAD_WRITTEN_FIRST})
+AFTER_THE_WIRE = frozenset({AUTOGRAD_WRITTEN})
 CONTIGUOUS = _contiguous_only(ValueError, "Tensors must be contiguous")  # Gloo's and NCCL's all-to-all input
 CONTIGUOUS_P2P = _contiguous_only(RuntimeError, "input tensor has to be contiguous")  # Gloo's send and recv
 
@@ -165,7 +177,7 @@ C10D = _entries(
      {"wire": GATHER}),
     ("all_gather_coalesced",
      [Arg("output_tensor_lists", WRITE, LISTS, refusal=AUTOGRAD_WRITTEN), Arg("input_tensor_list", READ, LIST)]),
-    ("reduce_scatter", [Arg("output", WRITE, refusal=AUTOGRAD_WRITTEN), Arg("input_list", READ, LIST)],
+    ("reduce_scatter", [Arg("output", WRITE, refusal=AUTOGRAD_WRITTEN_FIRST), Arg("input_list", READ, LIST)],
      {"reduces": True}),
     ("reduce_scatter_tensor", [Arg("output", WRITE, refusal=AUTOGRAD_WRITTEN), Arg("input", READ)], {"reduces": True}),
     ("reduce_scatter_single", [Arg("output", WRITE, refusal=AUTOGRAD_WRITTEN), Arg("input", READ)], {"reduces": True}),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -282,9 +283,10 @@ def _each_rank_done(key: str) -> None:
 
 def check_refused_like_torch(kind):
     """Outputs that autograd refuses to write in place (a leaf that requires grad, an inference tensor outside
-    inference mode): refused by torch's Gloo and by the staged call alike, with torch's exception, the outputs
-    unchanged; the staged call refuses before anything moves (only the gather's root has outputs: the others
-    do not enter it here). Each call on a group of its own."""
+    inference mode) on every rank: refused by torch's Gloo and by the staged call alike, with torch's exception,
+    the outputs unchanged; the staged call refuses when torch's does: after the wire, and for the list
+    reduce_scatter before anything is staged (only the gather's root has outputs). Each call on a group of its
+    own."""
     make = {"leaf": _leaf, "inference": _inference}[kind]
     refused = {}
     for name in _refused_calls(make, dist.group.WORLD):
@@ -295,24 +297,90 @@ def check_refused_like_torch(kind):
     assert refused["all_gather"] is not None and refused["all_gather"][0] is RuntimeError, refused
     for name in refused:
         call, outs = _refused_calls(make, _group(timeout_s=10))[name]
-        if refused[name] is not None:  # (the gather's other ranks: torch wrote nothing there to refuse)
-            offload_shim.reset_staging_counters()
-            with staging_through_cpu():
-                error = _error(call)
-            assert not offload_shim.staging_counters(), name  # refused before anything was staged
-            assert error is not None and error[0] is refused[name][0], (name, error, refused[name])
-            # Gloo's own copy into a split view words all_gather_into_tensor's differently; torch 2.11's Gloo has
-            # no list all_to_all at all ("Backend gloo does not support alltoall"), where the staged call, for a
-            # backend that has one, refuses the output as 2.13's Gloo does.
-            if name != "all_gather_into_tensor" and "does not support" not in refused[name][1]:
-                assert error == refused[name], (name, error, refused[name])
-            assert all(torch.equal(o, torch.zeros(4)) for o in outs or []), name
+        offload_shim.reset_staging_counters()
+        with staging_through_cpu():
+            error = _error(call)
         _each_rank_done(f"refused/{kind}/staged/{name}")
+        if refused[name] is None:  # (the gather's other ranks: torch wrote nothing there to refuse)
+            assert error is None, (name, error)
+            continue
+        assert bool(offload_shim.staging_counters()) == (name != "reduce_scatter"), name  # staged: the wire ran
+        assert error is not None and error[0] is refused[name][0], (name, error, refused[name])
+        # Gloo's own copy into a split view words all_gather_into_tensor's differently; torch 2.11's Gloo has
+        # no list all_to_all at all ("Backend gloo does not support alltoall"), where the staged call, for a
+        # backend that has one, refuses the output as 2.13's Gloo does.
+        if name != "all_gather_into_tensor" and "does not support" not in refused[name][1]:
+            assert error == refused[name], (name, error, refused[name])
+        assert all(torch.equal(o, torch.zeros(4)) for o in outs or []), name
 
 
 @pytest.mark.parametrize("kind", ["leaf", "inference"])
 def test_refused_like_torch(gloo_ranks, kind):
     gloo_ranks.run(check_refused_like_torch, kind)
+
+
+def _one_rank_refused_calls(make, group, async_op):
+    """Calls on ``group`` whose outputs only rank 0 makes with ``make`` (zeros elsewhere): ``name -> (call, the
+    tensors it writes)``; each call returns its handle (``async_op``) or ``None``."""
+    world, rank = group.size(), group.rank()
+    mine = (lambda *shape: make(*shape)) if rank == 0 else (lambda *shape: torch.zeros(*shape))
+    outs, flat, one = [mine(4) for _ in range(world)], mine(4 * world), mine(4)
+    given = torch.arange(4.0) + rank
+    each = [torch.arange(4.0) + 4 * r + rank for r in range(world)]
+    kw = {"group": group, "async_op": async_op}
+    return {
+        "all_gather": (lambda: dist.all_gather(outs, given, **kw), outs),
+        "all_gather_into_tensor": (lambda: dist.all_gather_into_tensor(flat, given, **kw), [flat]),
+        "reduce_scatter_tensor": (lambda: dist.reduce_scatter_tensor(one, torch.cat(each), **kw), [one]),
+        "all_to_all": (lambda: dist.all_to_all(outs, each, **kw), outs),
+        "all_reduce_coalesced": (lambda: dist.all_reduce_coalesced(outs, **kw), outs),
+        "gather": (lambda: dist.gather(given, outs if rank == 0 else None, group_dst=0, **kw), outs),
+    }
+
+
+def check_refused_after_the_wire_on_one_rank(kind, async_op):
+    """Outputs autograd refuses to write on rank 0 only (leaves that require grad, or inference tensors): torch's
+    Gloo moves the data, then raises on rank 0 (in wait() for an async call), and the other ranks return with their
+    results. Staged through the host, whole and in chunks, the same: every rank takes part
+    in the call and returns within seconds, rank 0 raises torch's exception after it with its outputs unchanged, and
+    the other ranks' results are torch's (each call on a group of its own, whose 30 s timeout a hang would run into). Not the list
+    reduce_scatter: Gloo refuses its output before it sends, and its peers wait, in torch too."""
+    make = {"leaf": _leaf, "inference": _inference}[kind]
+    answers = {}
+    for staged, chunk_bytes in ((False, None), (True, 1 << 20), (True, 16)):
+        for name in _one_rank_refused_calls(make, dist.group.WORLD, async_op):
+            call, outs = _one_rank_refused_calls(make, _group(timeout_s=30), async_op)[name]
+            settings = ({"staging_device": "cpu", "always_stage": True, "chunk_bytes": chunk_bytes} if staged else
+                        {"always_stage": False, "staging_device": None})
+            start = time.monotonic()
+            with configured(**settings):
+                error = _error(lambda: (lambda work: work.wait() if async_op else None)(call()))
+            answers[name, chunk_bytes] = (error, [o.tolist() for o in outs], round(time.monotonic() - start))
+            _each_rank_done(f"after-wire/{kind}/{async_op}/{chunk_bytes}/{name}")
+    differences = []
+    for (name, chunk_bytes), (error, outs, seconds) in answers.items():
+        expected, expected_outs, _ = answers[name, None]
+        if expected is not None and "does not support" in expected[1]:
+            continue  # torch 2.11's Gloo has no list all_to_all
+        if name == "all_gather_into_tensor" and error is not None and expected is not None:
+            error, expected = error[0], expected[0]  # Gloo's copy into its split views words it otherwise
+        if error is not None and chunk_bytes:  # staged, the refusing rank's outputs stay as they were (Gloo's own
+            # copies may write one of an inference tensor's outputs before refusing the next)
+            expected_outs = [[0.0] * len(o) for o in outs]
+        if error != expected or outs != expected_outs or seconds > 10:
+            differences.append((name, chunk_bytes, error, expected, outs, expected_outs, seconds))
+    assert not differences, differences
+    if dist.get_rank() == 0:
+        assert answers["all_gather", None][0] is not None, answers  # torch raised on rank 0, after the wire
+    else:
+        assert answers["all_gather", None][0] is None, answers
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("kind", ["leaf", "inference"])
+def test_refused_after_the_wire_on_one_rank(gloo_ranks, three_gloo_ranks, kind, async_op):
+    gloo_ranks.run(check_refused_after_the_wire_on_one_rank, kind, async_op)
+    three_gloo_ranks.run(check_refused_after_the_wire_on_one_rank, kind, async_op)
 
 
 def check_non_contiguous_refused_like_torch():
