@@ -9,8 +9,8 @@ accelerator tensors): blocks of ``--calls`` calls alternate between four sides: 
 uninstalled, and uninstalled with a wrapt ``FunctionWrapper`` that only passes the call on bound in its place (the
 wrapping library's own share of the shim's cost); each block's CPU time of the calling thread per call is taken, and
 each side's minimum over the rounds is kept (means are too noisy on a shared machine). Cases: ``all_reduce`` and
-``all_gather_into_tensor`` of a one-element CPU tensor on that group, which serves CPU (the wrappers decide and pass
-the call on). Counting:
+``broadcast``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of a one-element CPU tensor on that group, which
+serves CPU (the wrappers decide and pass the call on); each side's minimum and median over the rounds. Counting:
 what a staged call runs to be counted, the decision's record and the count (``_counters.decided`` and
 ``_counters.count``, the logger not enabled for INFO), in blocks of ``--calls``, the minimum over the rounds.
 """
@@ -35,10 +35,12 @@ def measure(calls: int, rounds: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    tensor, gathered = torch.ones(1), torch.empty(1)
+    tensor, gathered, scattered = torch.ones(1), torch.empty(1), torch.empty(1)
     cases = {  # name: (the torch.distributed function, a call of it)
         "all_reduce": ("all_reduce", lambda: dist.all_reduce(tensor)),
+        "broadcast": ("broadcast", lambda: dist.broadcast(tensor, 0)),
         "all_gather_into_tensor": ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(gathered, tensor)),
+        "reduce_scatter_tensor": ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(scattered, tensor)),
     }
     if torch.accelerator.is_available():  # and accelerator tensors on a one-rank group of the accelerator's backend
         torch.accelerator.set_device_index(0)
@@ -88,6 +90,7 @@ def measure(calls: int, rounds: int) -> dict:
                     decision[side] = min(decision[side], (time.thread_time() - start) / calls)
         sides = ("shim", "off", "wrapt", "shim, host staging off")
         best = dict.fromkeys(sides, float("inf"))
+        every = {side: [] for side in sides}
         for round_ in range(rounds + 1):
             for side in sides if round_ % 2 else sides[::-1]:
                 offload_shim.uninstall() if side in ("off", "wrapt") else offload_shim.install()
@@ -102,7 +105,11 @@ def measure(calls: int, rounds: int) -> dict:
                 setattr(dist, function, original)
                 if round_:  # round 0 is warm-up
                     best[side] = min(best[side], elapsed / calls)
+                    every[side].append(elapsed / calls)
+        median = {side: sorted(times)[len(times) // 2] for side, times in every.items()}
         results[name] = {
+            "shim_beyond_wrapt_median_cpu_us_per_call": (median["shim"] - median["wrapt"]) * 1e6,
+            "shim_beyond_torch_median_cpu_us_per_call": (median["shim"] - median["off"]) * 1e6,
             "shim_on_cpu_us_per_call": best["shim"] * 1e6,
             "shim_off_cpu_us_per_call": best["off"] * 1e6,
             "added_cpu_us_per_call": (best["shim"] - best["off"]) * 1e6,
@@ -149,7 +156,8 @@ def main(argv=None) -> dict:
               f"CPU time per call {r['shim_on_cpu_us_per_call']:.2f} us with the shim, {r['shim_off_cpu_us_per_call']:.2f} us "
               f"without, added {r['added_cpu_us_per_call']:.2f} us, of which a wrapt pass-through wrapper alone "
               f"{r['wrapt_alone_added_cpu_us_per_call']:.2f} us and the shim beyond it "
-              f"{r['shim_beyond_wrapt_cpu_us_per_call']:.2f} us; host staging's decision "
+              f"{r['shim_beyond_wrapt_cpu_us_per_call']:.2f} us (medians: {r['shim_beyond_wrapt_median_cpu_us_per_call']:.2f}"
+              f" us beyond wrapt, {r['shim_beyond_torch_median_cpu_us_per_call']:.2f} us beyond torch); host staging's decision "
               f"{r['host_staging_cpu_us_per_call']:.2f} us; the shim's decision alone, beyond a pass-through "
               f"wrapper, around a call that does nothing: {r['decision_beyond_wrapt_cpu_us_per_call']:.2f} us")
     print(f"counting a staged call (decision's record and count), minimum of {args.rounds} rounds of {args.calls}: "

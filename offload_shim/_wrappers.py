@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,24 @@ def _passing_through(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+class _Within(threading.local):
+    depth = 0  # how many list wrappers of this thread are in torch's call, having passed it on
+
+
+_within = _Within()
+
+
+def _to_torch(wrapped, args, kwargs):
+    """torch's call, undecided, and with it every wrapped collective it calls in turn in this thread (torch 2.13's
+    ``all_gather_into_tensor`` calls ``all_gather_single``, its ``reduce_scatter_tensor`` ``reduce_scatter_single``,
+    on the same tensors and group): the outer call has decided for them."""
+    _within.depth += 1
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _within.depth -= 1
+
+
 def c10d_wrapper(entry: _table.Collective):
     """The wrapper factory of a ``torch.distributed`` entry of the table."""
     label = entry.label
@@ -135,6 +154,8 @@ def c10d_wrapper(entry: _table.Collective):
 
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: one pass over its tensor arguments decides most calls that need no staging.
+            if _within.depth:  # called by torch's call of another wrapped collective, passed on undecided
+                return wrapped(*args, **kwargs)
             host, kind = False, None
             for name, at in positions:
                 value = args[at] if len(args) > at else kwargs.get(name)
@@ -149,13 +170,13 @@ def c10d_wrapper(entry: _table.Collective):
             refused = None
             if not host:
                 if kind is None:
-                    return wrapped(*args, **kwargs)
+                    return _to_torch(wrapped, args, kwargs)
                 if lazy:  # accelerator tensors only, on a collective that needs the host only where torch refuses
-                    result, refused = _devices.torch_first(wrapped, args, kwargs)
+                    result, refused = _devices.torch_first(wrapped, args, kwargs, _to_torch)
                     if refused is None:
                         return result
                 elif not _config.settings().host_staging:
-                    return wrapped(*args, **kwargs)
+                    return _to_torch(wrapped, args, kwargs)
             group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
             # Accelerator tensors through the host, where the group runs this collective on them only so.
             through_host = kind is not None and group is not None and not _devices.accelerator_call_served(
@@ -164,7 +185,7 @@ def c10d_wrapper(entry: _table.Collective):
             if (served or not host) and not through_host:
                 if refused is not None:
                     raise refused
-                return wrapped(*args, **kwargs)
+                return _to_torch(wrapped, args, kwargs)
             return stage(wrapped, args, kwargs, group, refused)
 
         return wrapper

@@ -17,11 +17,11 @@ def test_served_path_benchmark_reports_each_case(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert set(report["cases"]) == {"all_reduce", "all_gather_into_tensor"}
+    assert set(report["cases"]) == {"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"}
     for case in report["cases"].values():
         assert case["shim_on_cpu_us_per_call"] > 0 and case["shim_off_cpu_us_per_call"] > 0
         assert abs(case["added_cpu_us_per_call"] - (case["shim_on_cpu_us_per_call"] - case["shim_off_cpu_us_per_call"])) < 1e-9
         assert abs(case["added_cpu_us_per_call"] - case["wrapt_alone_added_cpu_us_per_call"]
                    - case["shim_beyond_wrapt_cpu_us_per_call"]) < 1e-9
-    assert result.stdout.count("added") == 2
+    assert result.stdout.count("added") == 4
     assert report["counting_cpu_us_per_staged_call"] > 0 and "counting a staged call" in result.stdout

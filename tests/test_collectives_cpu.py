@@ -195,3 +195,38 @@ def test_tensor_saved_for_backward(gloo_ranks, chunk_bytes):
 
 def test_async_list_collectives_waited_late(gloo_ranks):
     gloo_ranks.run(async_list_collectives_waited_late)
+
+
+def check_nested_calls_decide_nothing_again():
+    """torch 2.13's all_gather_into_tensor calls all_gather_single, and reduce_scatter_tensor reduce_scatter_single,
+    all four wrapped: a call that needs no staging is looked at by the outer wrapper only (the inner one passes the
+    call on undecided, one group lookup in all), and its result is torch's; staged, one call is counted, the outer."""
+    from unittest import mock
+
+    from offload_shim import _devices
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    calls = {
+        "all_gather_into_tensor": lambda: (lambda out: (dist.all_gather_into_tensor(out, torch.ones(2) * rank), out)[1])(
+            torch.zeros(2 * world)),
+        "reduce_scatter_tensor": lambda: (lambda out: (dist.reduce_scatter_tensor(out, torch.arange(2.0 * world)), out)[1])(
+            torch.zeros(2)),
+    }
+    offload_shim.install()
+    looked_up = {}
+    for name, call in calls.items():
+        with configured(always_stage=False, staging_device=None):
+            expected = call()
+            with mock.patch.object(_devices, "resolve_c10d_group", wraps=_devices.resolve_c10d_group) as lookup:
+                assert torch.equal(call(), expected), name
+            looked_up[name] = lookup.call_count
+        offload_shim.reset_staging_counters()
+        with staging():
+            assert torch.equal(call(), expected), name
+        assert {key.op for key in offload_shim.staging_counters()} == {f"torch.distributed.{name}"}, name
+    nested = hasattr(dist, "all_gather_single")  # (torch 2.13 and newer)
+    assert looked_up == dict.fromkeys(calls, 1), (looked_up, nested)
+
+
+def test_nested_calls_decide_nothing_again(gloo_ranks):
+    gloo_ranks.run(check_nested_calls_decide_nothing_again)

@@ -347,9 +347,10 @@ def check_refused_after_the_wire_on_one_rank(kind, async_op):
     reduce_scatter: Gloo refuses its output before it sends, and its peers wait, in torch too."""
     make = {"leaf": _leaf, "inference": _inference}[kind]
     answers = {}
+    group = _group(timeout_s=30)  # (every call completes on every rank: one group carries them all)
     for staged, chunk_bytes in ((False, None), (True, 1 << 20), (True, 16)):
         for name in _one_rank_refused_calls(make, dist.group.WORLD, async_op):
-            call, outs = _one_rank_refused_calls(make, _group(timeout_s=30), async_op)[name]
+            call, outs = _one_rank_refused_calls(make, group, async_op)[name]
             settings = ({"staging_device": "cpu", "always_stage": True, "chunk_bytes": chunk_bytes} if staged else
                         {"always_stage": False, "staging_device": None})
             start = time.monotonic()
