@@ -15,6 +15,8 @@ staged for real through the accelerator.
   same group.
 * One rank on a NCCL-only group: small calls replayed from a captured CUDA graph, and pageable storages registered
   under a cap, equal to torch's call on a GPU copy, bit for bit.
+* One rank on a NCCL-only group: CPU outputs autograd would refuse (leaves requiring grad, inference tensors) are
+  written, as NCCL writes them; an async handle's result() is NCCL's, the output itself.
 
 Run: ``python -m pytest -o addopts="" -m gpu tests/test_one_gpu.py`` (skipped without an accelerator).
 """
@@ -516,3 +518,32 @@ def check_pageable_memory_registered():
 
 def test_pageable_memory_registered(nccl_rank):
     nccl_rank.run(check_pageable_memory_registered)
+
+
+def check_nccl_writes_what_gloo_refuses():
+    """On a NCCL-only group, CPU outputs that autograd would refuse to write (a leaf that requires grad, an
+    inference tensor) are written, as NCCL writes such accelerator outputs from C++ and raises nothing; and the
+    handle's result() is NCCL's: the output itself, one tensor (whole and chunked, async)."""
+    offload_shim.install()
+    rank = dist.get_rank()
+    answers = {}
+    for chunk_bytes in (1 << 20, 4):
+        with torch.inference_mode():
+            inference = torch.zeros(4)
+        with configured(chunk_bytes=chunk_bytes):
+            for kind, out in (("leaf", torch.zeros(4, requires_grad=True)), ("inference", inference)):
+                dist.all_gather_into_tensor(out, torch.arange(4.0) + rank)
+                answers[kind, chunk_bytes] = out.detach().tolist()
+            flat = torch.zeros(4)
+            work = dist.all_gather_into_tensor(flat, torch.arange(4.0), async_op=True)
+            work.wait()
+            (given,) = work.result()
+            answers["result", chunk_bytes] = (given.data_ptr() == flat.data_ptr(), tuple(given.shape))
+    return answers
+
+
+def test_nccl_writes_what_gloo_refuses(nccl_rank):
+    (answers,) = nccl_rank.run(check_nccl_writes_what_gloo_refuses)
+    for chunk_bytes in (1 << 20, 4):
+        assert answers["leaf", chunk_bytes] == answers["inference", chunk_bytes] == [0.0, 1.0, 2.0, 3.0], answers
+        assert answers["result", chunk_bytes] == (True, (4,)), answers
