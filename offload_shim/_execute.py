@@ -67,12 +67,12 @@ def run(plan: Plan, caller):
 
     Raises:
         What torch raises of the call's tensors (the entry's refusals) where torch raises it: before anything is
-        copied, or after the wire (:func:`_refused_after_the_wire`); :class:`StagingError` where the ranks disagree
+        copied, or after the wire (:func:`_refusals`); :class:`StagingError` where the ranks disagree
         on a pipelined call; what the collective raises.
     """
     call = plan.call
     mode = plan.mode
-    refused = _refused_after_the_wire(plan)
+    refused = _refusals(plan)
     try:
         if mode is _counters.SMALL:
             replayed, result = _small(plan, caller)
@@ -95,7 +95,7 @@ def run(plan: Plan, caller):
     raise refused
 
 
-def _refused_after_the_wire(plan: Plan):
+def _refusals(plan: Plan):
     """Check the call's tensors as the backend the call is staged on does (the entry's refusals, ``_table``): raise
     what it raises before anything is sent; return what it raises only after the wire (``AFTER_THE_WIRE``), or
     ``None``. Outputs that autograd would refuse (``AUTOGRAD``) are refused only where that backend also serves the
