@@ -11,14 +11,18 @@ finalizer on torch's storage object, which lives exactly as long as the storage,
 call unregisters it: never the finalizer itself, which may run during a CUDA graph capture or under any lock), when
 the cap needs its room, when the cap is lowered (at the next pipelined call), and by :func:`unregister_all` (which
 ``destroy_process_group()`` of every group and ``release_buffers()`` call). The device is waited for before memory is
-unregistered, outside the module's lock. A registration that fails leaves the storage pageable, and the call takes
-the bounce path. Nothing is kept alive: the registry holds no reference to a storage.
+unregistered, outside the module's lock, and never while a stream of this thread captures a CUDA graph (the
+pointers wait for the next call). A registration that fails leaves the storage pageable, and the call takes the
+bounce path. Nothing is kept alive: the registry holds no reference to a storage. A child made by ``fork()`` starts
+with empty tables: the registrations are its parent's (the driver's, in the parent's context), which it neither
+uses nor undoes.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import os
 import threading
 import weakref
 
@@ -36,6 +40,7 @@ _failed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages who
 # Pointers of registered storages since freed, queued by their finalizer (which may run anywhere: inside a CUDA graph
 # capture, under any lock) and unregistered at the next call of this module's (list.append is atomic).
 _freed_pointers: list[int] = []
+_deferred: list[int] = []  # pointers taken off the table during a CUDA graph capture, unregistered after it
 
 
 def registered_bytes() -> int:
@@ -110,8 +115,12 @@ def _drain() -> list[int]:
 
 def _unregister(pointers: list[int]) -> None:
     """Unregister ``pointers`` (no lock held): the device may still copy from or into them, so it is waited for
-    first, once."""
+    first, once; during a CUDA graph capture (where waiting for the device is illegal) they are queued again."""
+    pointers = pointers + [_deferred.pop() for _ in range(len(_deferred))]
     if not pointers:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        _deferred.extend(pointers)  # (off the table already: undone by the next call outside the capture)
         return
     torch.cuda.synchronize()
     for pointer in pointers:
@@ -135,3 +144,17 @@ def _clear_error() -> None:
         ctypes.CDLL(None).cudaGetLastError()
     except (AttributeError, OSError):  # the runtime's symbols are not global here: nothing to reset through them
         pass
+
+
+def _forget_the_parents() -> None:
+    """In a child made by ``fork()``: the tables describe the parent's registrations; the child forgets them."""
+    global _lock
+    _lock = threading.Lock()  # (another thread of the parent may have held it at the fork)
+    _registered.clear()
+    _seen.clear()
+    _failed.clear()
+    _freed_pointers.clear()
+    _deferred.clear()
+
+
+os.register_at_fork(after_in_child=_forget_the_parents)

@@ -465,7 +465,8 @@ def check_pageable_memory_registered():
     """With a registration cap, a pageable tensor is registered at its second pipelined call and staged as pinned
     memory after that, with results equal to torch's call on a GPU copy; a registration that does not fit makes
     room by unregistering the least recently staged; a freed storage is unregistered; a registration that fails
-    leaves the call on the bounce path and no CUDA error behind."""
+    leaves the call on the bounce path and no CUDA error behind; one freed during a CUDA graph capture is unregistered
+    after it."""
     from offload_shim import _registration
 
     offload_shim.install()
@@ -514,6 +515,22 @@ def check_pageable_memory_registered():
     with configured(register_bytes=0, chunk_bytes="1MiB"):  # the cap lowered: unregistered at the next pipelined call
         check(first)
         assert not first.is_pinned() and _registration.registered_bytes() == 0
+    with configured(register_bytes="36MiB", chunk_bytes="1MiB"):  # freed while a graph is captured: unregistered after
+        check(first)
+        check(first)
+        assert first.is_pinned()
+        del first
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            scratch = torch.zeros(4, device=device)
+            with torch.cuda.graph(graph, stream=side):
+                scratch.add_(1)
+                _registration.registered_bytes()  # (waiting for the device here would end the capture)
+                assert _registration._deferred, "unregistered during the capture"
+        assert _registration.registered_bytes() == 0 and not _registration._deferred
+        graph.replay()
+        torch.accelerator.synchronize()
+        assert scratch.tolist() == [1.0] * 4
 
 
 def test_pageable_memory_registered(nccl_rank):

@@ -789,3 +789,28 @@ def test_threaded_host_copies(gloo_ranks):
     for threads, pool_made, lanes in gloo_ranks.run(check_threaded_host_copies):
         assert pool_made == (threads > 1)  # the copies were split over threads wherever there are two CPUs
         assert {"in", "out"} <= set(lanes), lanes  # the group's copy lanes
+
+
+def test_fork_child_forgets_the_parents_registrations():
+    """A child made by fork() starts with empty registration tables (the registrations are its parent's: it neither
+    uses nor unregisters them), and the parent's tables are untouched. (The registry's entries are put in by hand:
+    registering needs CUDA.)"""
+    import os
+    import weakref
+
+    from offload_shim import _registration
+
+    storage = torch.empty(4).untyped_storage()
+    _registration._registered[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
+    _registration._freed_pointers.append(storage.data_ptr() + 1)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            forgotten = not _registration._registered and not _registration._freed_pointers
+            os._exit(0 if forgotten and _registration.registered_bytes() == 0 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert list(_registration._registered) == [storage.data_ptr()] and _registration._freed_pointers
+    finally:
+        _registration._registered.clear()
+        _registration._freed_pointers.clear()
