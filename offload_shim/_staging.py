@@ -704,11 +704,12 @@ class StagedWork(_StagedHandle):
                         self._fail(error)
                         raise
                 self._settle()
-                answer = self._counterparts(values[self._works.index(self._described_by())]) if values else []
+                answer = self._counterparts(values[self._works.index(self._described_by())]) if values else list(
+                    self._tensors)
             except Exception as error:
                 done.set_exception(error)
             else:
-                done.set_result(answer if values else list(self._tensors))
+                done.set_result(answer)
 
         if self._error is not None or not self._works:
             finished(torch.futures.collect_all([]))
