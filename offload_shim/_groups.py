@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from offload_shim import _config, _devices
-from offload_shim._staging import new_stream
+from offload_shim._staging import current_stream, new_stream
 from offload_shim._devices import StagingError
 
 # Raised with the version of what the agreement compares: ranks of two offload_shim versions whose wires may differ
@@ -78,6 +78,12 @@ def _state(group: dist.ProcessGroup) -> _State:
             if state is None:
                 state = _states[group] = _State()
     return state
+
+
+def state_of(group: dist.ProcessGroup) -> _State:
+    """What the shim keeps for ``group``; its ``agreement`` is the ranks' agreement in force (replaced, not changed,
+    when the ranks agree again)."""
+    return _state(group)
 
 
 def _fingerprint(settings, unable: str | None, can_route: bool) -> tuple:
@@ -299,6 +305,16 @@ def pooled_buffers(busy: bool = True) -> list[torch.Tensor]:
     with _pools_lock:
         pools = (*(_busy if busy else ()), *(p for idle in _idle.values() for p in idle))
         return [buffer for each in pools for buffer in each.buffers()]
+
+
+def copy_streams() -> list:
+    """The accelerator streams that staging queues copies of callers' memory on: every pool's H2D and D2H streams (in
+    use or idle); with the current stream of each of their devices (where a call staged whole copies), for a wait that
+    follows every such copy queued so far (``_registration``)."""
+    with _pools_lock:
+        pools = [p for p in (*_busy, *(p for idle in _idle.values() for p in idle)) if p.device.type != "cpu"]
+    streams = [stream for each in pools for stream in (each.h2d, each.d2h)]
+    return streams + [current_stream(d) for d in {each.device for each in pools}]
 
 
 def forget(group: dist.ProcessGroup | None = None) -> None:

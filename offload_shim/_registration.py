@@ -5,30 +5,36 @@ reused state dict or weight buffer are staged call after call from the same stor
 the accelerator (``cudaHostRegister``, as ``torch.distributed.checkpoint``'s stager does) page-locks it in place, and
 its later calls take the pinned path: DMA straight from and to the caller's memory.
 
-A storage is registered at its second pipelined staging, if it fits under the cap (the least recently staged ones
-unregistered to make room; a storage larger than the cap never is), and unregistered: once it is freed (a
-finalizer on torch's storage object, which lives exactly as long as the storage, queues it, and the module's next
-call unregisters it: never the finalizer itself, which may run during a CUDA graph capture or under any lock), when
-the cap needs its room, when the cap is lowered (at the next pipelined call), and by :func:`unregister_all` (which
-``destroy_process_group()`` of every group and ``release_buffers()`` call). The device is waited for before memory is
-unregistered, outside the module's lock, and never while a stream of this thread captures a CUDA graph (the
-pointers wait for the next call). A registration that fails leaves the storage pageable, and the call takes the
-bounce path. Nothing is kept alive: the registry holds no reference to a storage. A child made by ``fork()`` starts
-with empty tables: the registrations are its parent's (the driver's, in the parent's context), which it neither
-uses nor undoes.
+A storage is registered at its second pipelined staging (a storage staged once, as a fresh tensor each step is,
+never is), if it fits under the budget: :func:`budget` by default, half of the host's memory shared by the node's
+ranks. The least recently staged ones are unregistered to make room, and a storage unregistered so is registered
+again only into free room (storages reused in turn beyond the budget would otherwise be registered and unregistered
+at every call); one larger than the budget never is. A storage is unregistered once it is freed (a finalizer on torch's storage object,
+which lives exactly as long as the storage, queues it, and the module's next call unregisters it: never the finalizer
+itself, which may run during a CUDA graph capture or under any lock), when the budget needs its room, when the
+budget is lowered (at the next pipelined call), and by :func:`unregister_all` (which ``destroy_process_group()`` of
+every group and ``release_buffers()`` call). Before memory is unregistered, the host waits for events recorded on
+the streams that staging copies on (:func:`_groups.copy_streams`), which follow every copy queued so far: never
+for the whole device, never under the module's lock, and never while a stream of this thread captures a CUDA
+graph (the pointers wait for the next call). A registration that fails (the driver's limit, a container's) leaves
+the storage pageable, its calls take the bounce path, and one log line says so. Nothing is kept alive: the
+registry holds no reference to a storage. A child made by ``fork()`` starts with empty tables: the registrations
+are its parent's (the driver's, in the parent's context), which it neither uses nor undoes.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import functools
+import logging
 import os
 import threading
 import weakref
 
 import torch
 
-from offload_shim import _config
+from offload_shim import _config, _groups
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, as torch's own stager registers
 
@@ -37,26 +43,89 @@ _lock = threading.Lock()  # around the tables; never held while the device is sy
 _registered: collections.OrderedDict[int, tuple[weakref.ref, int]] = collections.OrderedDict()
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages staged once, not registered
 _failed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages whose registration failed
+_evicted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages unregistered for room: never again
+_log = logging.getLogger("offload_shim")
+_logged_failure = False
 # Pointers of registered storages since freed, queued by their finalizer (which may run anywhere: inside a CUDA graph
 # capture, under any lock) and unregistered at the next call of this module's (list.append is atomic).
 _freed_pointers: list[int] = []
 _deferred: list[int] = []  # pointers taken off the table during a CUDA graph capture, unregistered after it
 
 
+def budget(environ=os.environ) -> int:
+    """The default budget of registered memory, in bytes: half of the memory this process's host gives it (the
+    smaller of ``MemTotal`` in ``/proc/meminfo`` and its cgroup's ``memory.max``), divided among the ranks of the
+    node (``LOCAL_WORLD_SIZE``, which torchrun sets; 1 where unset). Registration locks pages the storage already
+    holds, so it takes no memory; the budget bounds how much of it cannot be swapped or reclaimed. The driver's
+    pinning is not counted against ``ulimit -l``. 0 where the host does not say (no ``/proc``)."""
+    sizes = [size for size in (_meminfo_total(), _cgroup_limit()) if size]
+    if not sizes:
+        return 0
+    try:
+        ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        ranks = 1
+    return min(sizes) // 2 // ranks
+
+
+@functools.lru_cache(maxsize=None)
+def _meminfo_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cgroup_limit() -> int | None:
+    """This process's cgroup memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), ``None`` if none."""
+    try:
+        with open("/proc/self/cgroup") as cgroups:
+            entries = [line.strip().split(":", 2) for line in cgroups if line.strip()]
+    except OSError:
+        return None
+    for hierarchy, controllers, path in entries:
+        names = ("memory.max",) if hierarchy == "0" else ("memory.limit_in_bytes",) if "memory" in controllers else ()
+        root = "/sys/fs/cgroup" if hierarchy == "0" else "/sys/fs/cgroup/memory"
+        for name in names:
+            # The cgroup's folder, or the mount's root where a container shows its own cgroup there.
+            for folder in (os.path.join(root, path.lstrip("/")), root):
+                try:
+                    with open(os.path.join(folder, name)) as limit:
+                        value = limit.read().strip()
+                except OSError:
+                    continue
+                if value.isdigit() and int(value) < 1 << 60:  # not "max", nor v1's "no limit" (a huge number)
+                    return int(value)
+                break
+    return None
+
+
+def _cap() -> int:
+    cap = _config.settings().register_bytes
+    return budget() if cap is None else cap
+
+
 def registered_bytes() -> int:
     """Bytes of pageable host memory registered now."""
     _unregister(_drain())
     with _lock:
-        return sum(nbytes for _, nbytes in _registered.values())
+        return _total()
 
 
 def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
     """Whether ``tensor``'s storage (host memory, contiguous) is registered with ``device``'s runtime for
     this call: already, or now at its second staging (see the module). ``False`` where the cap is 0, the device
     is no CUDA device, or the storage is not (yet) registered."""
-    cap = _config.settings().register_bytes
-    if cap <= 0 and not _registered and not _freed_pointers or device.type != "cuda":
-        return False  # (the common case, at the cost of a few reads)
+    if device.type != "cuda":
+        return False
+    cap = _cap()
+    if cap <= 0 and not _registered and not _freed_pointers:
+        return False  # (registration off: a few reads)
     storage = tensor.untyped_storage()
     pointer, nbytes = storage.data_ptr(), storage.nbytes()
     done = _drain()
@@ -72,17 +141,21 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
                 done.append(pointer)
             if cap <= 0 or nbytes > cap or storage in _failed or tensor.is_pinned():  # pinned by torch or others
                 return False
+            if storage in _evicted and _total() + nbytes > cap:  # unregistered for room once: only into free room
+                return False
             if storage not in _seen:
                 _seen[storage] = True
                 return False
             del _seen[storage]
             done += _shrink(cap - nbytes)
     finally:
-        _unregister(done)  # outside the lock: it waits for the device
-    if int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _PORTABLE)) != 0:
+        _unregister(done)  # outside the lock: it waits for the copies queued on them
+    code = int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _PORTABLE))
+    if code != 0:
         _clear_error()
         with _lock:
             _failed[storage] = True
+        _log_failure(code, nbytes)
         return False
     with _lock:
         _registered[pointer] = (weakref.ref(storage), nbytes)
@@ -94,12 +167,19 @@ def _shrink(cap: int) -> list[int]:
     """Take the least recently staged storages off the table until at most ``cap`` bytes are registered (lock held);
     returns their pointers, for :func:`_unregister`."""
     taken = []
-    total = sum(nbytes for _, nbytes in _registered.values())
+    total = _total()
     while _registered and total > cap:
-        pointer, (_, nbytes) = _registered.popitem(last=False)
+        pointer, (reference, nbytes) = _registered.popitem(last=False)
+        storage = reference()
+        if storage is not None:
+            _evicted[storage] = True
         taken.append(pointer)
         total -= nbytes
     return taken
+
+
+def _total() -> int:
+    return sum(nbytes for _, nbytes in _registered.values())
 
 
 def _drain() -> list[int]:
@@ -114,15 +194,17 @@ def _drain() -> list[int]:
 
 
 def _unregister(pointers: list[int]) -> None:
-    """Unregister ``pointers`` (no lock held): the device may still copy from or into them, so it is waited for
-    first, once; during a CUDA graph capture (where waiting for the device is illegal) they are queued again."""
+    """Unregister ``pointers`` (no lock held): staging may still copy from or into them, so the host first waits for
+    events recorded now on the streams it copies on, which follow every copy queued so far; during a CUDA graph
+    capture (where waiting is illegal) they are queued again."""
     pointers = pointers + [_deferred.pop() for _ in range(len(_deferred))]
     if not pointers:
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         _deferred.extend(pointers)  # (off the table already: undone by the next call outside the capture)
         return
-    torch.cuda.synchronize()
+    for event in [stream.record_event() for stream in _groups.copy_streams()]:
+        event.synchronize()
     for pointer in pointers:
         if int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0:
             _clear_error()
@@ -135,6 +217,15 @@ def unregister_all() -> None:
         taken += list(_registered)
         _registered.clear()
     _unregister(taken)
+
+
+def _log_failure(code: int, nbytes: int) -> None:
+    global _logged_failure
+    if not _logged_failure:
+        _logged_failure = True
+        _log.warning("offload_shim: cudaHostRegister failed (CUDA error %d) for a storage of %d bytes; it, and any "
+                     "other whose registration fails, is staged from pageable memory (%s=0 stops registering)",
+                     code, nbytes, _config.ENV_REGISTER_BYTES)
 
 
 def _clear_error() -> None:
@@ -153,6 +244,7 @@ def _forget_the_parents() -> None:
     _registered.clear()
     _seen.clear()
     _failed.clear()
+    _evicted.clear()
     _freed_pointers.clear()
     _deferred.clear()
 

@@ -24,6 +24,7 @@ Run: ``python -m pytest -o addopts="" -m gpu tests/test_one_gpu.py`` (skipped wi
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 
 import pytest
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import offload_shim
 from bitwise import same_bits
 from conftest import accelerator_rank_pool
-from observe import configured
+from observe import configured, counting_calls, rss_bytes
 from ranks import RankPool
 from test_torch_semantics_cpu import COMPILED, opposite_orders
 
@@ -500,14 +501,21 @@ def check_pageable_memory_registered():
         third = torch.empty(4 << 18)
         last_page = third.data_ptr() + third.nbytes - 4096
         assert int(torch.cuda.cudart().cudaHostRegister(last_page, 4096, 0)) == 0
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("offload_shim").addHandler(handler)
         try:
             assert not third.is_pinned()
             for _ in range(3):
                 check(third)
             assert _registration.registered_bytes() == 0
+            failures = [r.getMessage() for r in records if "cudaHostRegister failed" in r.getMessage()]
+            assert len(failures) == 1 and records[0].levelno == logging.WARNING, failures
             torch.ones(4, device=device).add_(1)  # no stale CUDA error reported by torch's launch check
             torch.accelerator.synchronize()
         finally:
+            logging.getLogger("offload_shim").removeHandler(handler)
             torch.cuda.cudart().cudaHostUnregister(last_page)
         check(first)
         check(first)
@@ -535,6 +543,85 @@ def check_pageable_memory_registered():
 
 def test_pageable_memory_registered(nccl_rank):
     nccl_rank.run(check_pageable_memory_registered)
+
+
+def check_registration_by_default():
+    """Registration with the default budget: a reused pageable storage is registered at its second call, a fresh
+    one never; host memory flat (VmRSS and registered bytes within 1% after warm-up) over 1,000 calls on fresh
+    storages and over 1,000 on one reused storage; storages reused in turn beyond the budget are not registered and
+    unregistered call after call; unregistering waits for the staging streams' copies, not for the device (a kernel
+    on another stream still runs when it returns)."""
+    from offload_shim import _registration
+
+    offload_shim.install()
+    device = _accelerator()
+    assert offload_shim.configure().register_bytes is None and _registration.budget() > 64 << 20
+    answers = {}
+    with configured(chunk_bytes="1MiB"):
+        reused = torch.ones(1 << 19)  # 2 MiB: pipelined in 1 MiB chunks
+        dist.all_reduce(reused)
+        answers["first call registers"] = reused.is_pinned()
+        dist.all_reduce(reused)
+        answers["second call registers"] = reused.is_pinned()
+
+        def flat(call):
+            for _ in range(50):  # warm-up
+                call()
+            torch.accelerator.synchronize()
+            before = rss_bytes(), _registration.registered_bytes()
+            for _ in range(1000):
+                call()
+            torch.accelerator.synchronize()
+            return before, (rss_bytes(), _registration.registered_bytes())
+
+        answers["fresh"] = flat(lambda: dist.all_reduce(torch.ones(1 << 19)))
+        answers["reused"] = flat(lambda: dist.all_reduce(reused))
+        answers["reused values"] = same_bits(reused, torch.ones(1 << 19))  # a one-rank sum: unchanged
+    del reused
+    with configured(chunk_bytes="1MiB", register_bytes="4MiB"):  # room for two of three storages reused in turn
+        cycle = [torch.ones(1 << 19) for _ in range(3)]
+        registered = []
+        for _ in range(4):
+            for tensor in cycle:
+                dist.all_reduce(tensor)
+            registered.append([t.is_pinned() for t in cycle])
+        answers["in turn"] = registered
+        # Unregistering waits for events on the staging streams, never for the device (which would wait for a
+        # kernel queued on another stream); whether the driver's cudaHostUnregister itself waits is the driver's.
+        side = torch.cuda.Stream()
+        with counting_calls(torch.cuda, "synchronize") as device_waits, \
+                counting_calls(torch.accelerator, "synchronize") as accelerator_waits:
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(2_000_000_000)  # about a second
+            del cycle, tensor
+            left = _registration.registered_bytes()
+        answers["unregistered"] = (left, len(device_waits) + len(accelerator_waits))
+        torch.accelerator.synchronize()
+        host = torch.empty(1 << 19).fill_(1.0)  # the driver alone: unregistering while another stream sleeps
+        assert int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.nbytes, 1)) == 0
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000_000)
+            sleeping = side.record_event()
+        start = time.perf_counter()
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+        answers["driver's unregister waits for the device"] = (sleeping.query(), time.perf_counter() - start)
+        torch.accelerator.synchronize()
+    return answers
+
+
+def test_registration_by_default(nccl_rank):
+    (answers,) = nccl_rank.run(check_registration_by_default)
+    assert (answers["first call registers"], answers["second call registers"]) == (False, True), answers
+    for case in ("fresh", "reused"):  # the reused storage registered throughout; no fresh one ever
+        (rss_before, bytes_before), (rss_after, bytes_after) = answers[case]
+        assert bytes_before == bytes_after == 2 << 20, (case, answers[case])
+        assert abs(rss_after - rss_before) <= 0.01 * rss_before, (case, answers[case])
+    assert answers["reused values"]
+    # Registered at their second calls; the third evicts the first, which then stays pageable: no churn.
+    assert answers["in turn"][1:] == [[False, True, True]] * 3, answers["in turn"]
+    assert answers["unregistered"] == (0, 0), answers["unregistered"]
+    print("cudaHostUnregister while another stream runs a kernel: (that kernel done when it returned, seconds) =",
+          answers["driver's unregister waits for the device"])
 
 
 def check_nccl_writes_what_gloo_refuses():

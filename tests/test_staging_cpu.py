@@ -814,3 +814,26 @@ def test_fork_child_forgets_the_parents_registrations():
     finally:
         _registration._registered.clear()
         _registration._freed_pointers.clear()
+
+
+def test_registration_budget_by_default():
+    """Registration is on by default: unset or empty, the budget is half of the host's memory (the cgroup's limit
+    where lower) shared by the node's ranks; ``0`` turns it off; a size sets it."""
+    import os
+
+    import offload_shim
+    from offload_shim import _config, _registration
+
+    variable = "OFFLOAD_SHIM_REGISTER_BYTES"
+    for raw, expected in ((None, None), ("", None), ("0", 0), ("4GiB", 4 << 30)):
+        environ = {} if raw is None else {variable: raw}
+        assert _config.settings_from_environment(environ).register_bytes == expected, raw
+    with configured(register_bytes="1MiB"):
+        assert offload_shim.configure(register_bytes=None).register_bytes == 1 << 20
+        assert offload_shim.settings().register_bytes is None
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # MemTotal, read another way
+    alone = _registration.budget({})
+    limit = _registration._cgroup_limit()
+    assert alone == (host if limit is None else min(host, limit)) // 2 > 0
+    assert _registration.budget({"LOCAL_WORLD_SIZE": "4"}) == alone // 4
+    assert _registration.budget({"LOCAL_WORLD_SIZE": "not a number"}) == alone
