@@ -14,11 +14,16 @@ Sections (``kind`` of each JSON record):
   broadcast from rank 0, of a pageable CPU tensor: offload_shim on a NCCL-only group (replayed from a CUDA graph
   after the first call), staging by hand (``t.to(dev)``, the call, copy back), Gloo (``cpu:gloo,cuda:nccl``, no
   shim), and the GPU-resident call followed by a stream sync.
-* ``served``: CPU time the wrappers add to calls that need no staging: alternating blocks with the shim installed
-  and uninstalled in this process, the calling thread's CPU time per call, each side's minimum.
-* ``pageable``: all_reduce of 256 MiB pageable fp32 (bounce buffers, the runtime's staged copy, pinned, a pageable
-  tensor registered at its second call with ``register_bytes`` set, staging by hand) against the floor and the
-  pageable limit; and how soon ``async_op=True`` returns.
+* ``served``: CPU time the wrappers add to calls that need no staging (all_reduce, broadcast, all_gather_into_tensor,
+  reduce_scatter_tensor of accelerator tensors on the NCCL group; all_reduce of a CPU tensor on Gloo): alternating
+  blocks with the shim installed, uninstalled, and a wrapt pass-through wrapper of the same function, the calling
+  thread's CPU time per call, each side's minimum and median over the blocks; and the shim's wrapper function
+  against a pass-through one, each around a function that does nothing (the decision alone, without the
+  collective's own variance).
+* ``pageable``: all_reduce of 256 MiB pageable fp32 with registration off, as a storage's first call is staged
+  (bounce buffers, the runtime's staged copy), pinned, staging by hand, against the floor and the pageable limit; a
+  pageable tensor reused with the default settings (registered at its second call) against pinned in the same
+  blocks; and how soon ``async_op=True`` returns.
 * ``async``: a 256 MiB all_reduce with ``async_op=True``, pinned and pageable: when the call returns and when it
   completes, against the synchronous call and the input's staging time (the synchronous call's: when it issues its
   last chunk's collective; and a synchronous broadcast from this rank alone).
@@ -41,7 +46,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -197,57 +204,123 @@ def small_calls(bench) -> None:
             call(resident, group=nccl, **kwargs)
             bench.sync()
 
-        times = bench.compare({
+        routes = {
             "offload_shim": (True, lambda: call(tensor, group=nccl, **kwargs)),
             "hand_staging": (False, hand),
             "gloo": (False, lambda: call(tensor, group=gloo, **kwargs)),
             "gpu_resident": (False, gpu_resident),
-        }, rounds=3 if bench.smoke else 15, calls=calls)  # 15 rounds even when quick: a few seconds in all
+        }
+        if bench.device.type == "cuda":
+            routes["bare_graph"] = (False, bare_graph(call, tensor, nccl, kwargs, bench.device))
+        times = bench.compare(routes, rounds=3 if bench.smoke else 15, calls=calls)  # 15 rounds even when quick
         modes = sorted({key.mode for key in offload_shim.staging_counters() if key.op.endswith("." + op)})
         bench.record(kind="small", op=op, case=name, calls_per_round=calls, shim_modes=modes,
                      **{f"{k}_seconds": v for k, v in times.items()})
 
 
+def bare_graph(call, tensor: torch.Tensor, group, kwargs: dict, device: torch.device):
+    """The reference of a replayed small call: a CUDA graph of the same three steps (H2D from a pinned buffer, the
+    collective, D2H into a pinned buffer), captured here with torch's own function, and a call that copies the
+    caller's bytes in (``memmove``), replays it, waits for the stream and copies the bytes out."""
+    import ctypes
+
+    offload_shim.uninstall()
+    host_in = torch.empty(tensor.nbytes, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(tensor.nbytes, dtype=torch.uint8, pin_memory=True)
+    slot = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    slot_bytes = slot.view(-1).view(torch.uint8) if slot.dim() else slot.view(1).view(torch.uint8)
+    call(slot, group=group, **kwargs)  # the communicator exists before the capture
+    torch.cuda.synchronize()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        slot_bytes.copy_(host_in, non_blocking=True)
+        call(slot, group=group, **kwargs)
+        host_out.copy_(slot_bytes, non_blocking=True)
+        graph.capture_end()
+    torch.cuda.synchronize()
+    offload_shim.install()
+    in_address, out_address, nbytes = host_in.data_ptr(), host_out.data_ptr(), tensor.nbytes
+
+    def replayed():
+        ctypes.memmove(in_address, tensor.data_ptr(), nbytes)
+        graph.replay()
+        torch.cuda.current_stream().synchronize()
+        ctypes.memmove(tensor.data_ptr(), out_address, nbytes)
+
+    return replayed
+
+
 def served_path(bench) -> None:
-    """CPU time the wrappers add to calls that need no staging: shim installed against uninstalled, and, for
-    reference, the same call through a wrapt pass-through wrapper (what wrapping alone costs)."""
+    """CPU time the wrappers add to calls that need no staging: shim installed against uninstalled, and the same
+    call through a wrapt pass-through wrapper of the function the shim wraps (what wrapping alone costs); blocks of
+    calls alternating between the three, each side's minimum and median over the blocks."""
     import wrapt
 
     nccl, gloo = bench.groups["nccl"], bench.groups["gloo"]
-    gpu = torch.ones(1, device=bench.device)
-    gathered = torch.empty(dist.get_world_size(), device=bench.device)
+    world = dist.get_world_size()
+    gpu = torch.ones(world, device=bench.device)
+    gathered, scattered = torch.empty(world * world, device=bench.device), torch.empty(1, device=bench.device)
     host = torch.ones(1)
     offload_shim.uninstall()
     through = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)  # noqa: E731
     cases = {
         "all_reduce, accelerator tensor": (dist.all_reduce, (gpu,), {"group": nccl}),
+        "broadcast, accelerator tensor": (dist.broadcast, (gpu, 0), {"group": nccl}),
         "all_gather_into_tensor, accelerator tensors": (dist.all_gather_into_tensor, (gathered, gpu), {"group": nccl}),
+        "reduce_scatter_tensor, accelerator tensors": (dist.reduce_scatter_tensor, (scattered, gpu), {"group": nccl}),
         "all_reduce, CPU tensor on a group that serves CPU": (dist.all_reduce, (host,), {"group": gloo}),
     }
-    calls, rounds = (50, 3) if bench.smoke else (200, 40)
+    calls, rounds = (50, 5) if bench.smoke else (200, 40)
     for name, (function, args, kwargs) in cases.items():
         wrapped = wrapt.FunctionWrapper(function, through)
         routes = {"on": (True, lambda: getattr(dist, function.__name__)(*args, **kwargs)),
                   "off": (False, lambda: function(*args, **kwargs)),
                   "wrapt": (False, lambda: wrapped(*args, **kwargs))}
-        best = {route: float("inf") for route in routes}
-        for round_ in range(rounds + 1):
-            for route in routes if round_ % 2 else list(routes)[::-1]:
-                installed, fn = routes[route]
-                offload_shim.install() if installed else offload_shim.uninstall()
-                dist.barrier(group=nccl)
-                bench.sync()
-                start = time.thread_time()
-                for _ in range(calls):
-                    fn()
-                per_call = (time.thread_time() - start) / calls
-                bench.sync()
-                if round_:
-                    best[route] = min(best[route], per_call)
+        blocks = {route: [] for route in routes}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's deprecation of the *_tensor names
+            for round_ in range(rounds + 1):
+                for route in routes if round_ % 2 else list(routes)[::-1]:
+                    installed, fn = routes[route]
+                    offload_shim.install() if installed else offload_shim.uninstall()
+                    dist.barrier(group=nccl)
+                    bench.sync()
+                    start = time.thread_time()
+                    for _ in range(calls):
+                        fn()
+                    per_call = (time.thread_time() - start) / calls
+                    bench.sync()
+                    if round_:
+                        blocks[route].append(per_call)
         offload_shim.install()
-        on, off, through_wrapt = (bench.slowest(best[route]) for route in ("on", "off", "wrapt"))
-        bench.record(kind="served", case=name, calls_per_round=calls, rounds=rounds, shim_on_cpu_seconds=on,
-                     shim_off_cpu_seconds=off, added_cpu_seconds=on - off, wrapt_pass_through_added_cpu_seconds=through_wrapt - off)
+        # The wrapper's own work, apart from the collective's (whose CPU time varies by microseconds from block to
+        # block on a shared host): the shim's wrapper function and a pass-through one, called around a function
+        # that does nothing, with this case's arguments (the group's answers cached by the calls above).
+        shim = offload_shim.wrapped_functions()[f"{function.__module__}.{function.__name__}"]._self_wrapper
+        bodies = {"shim": shim, "pass_through": through}
+        noop = lambda *a, **k: None  # noqa: E731
+        alone = {side: [] for side in bodies}
+        for round_ in range(rounds + 1):
+            for side in bodies if round_ % 2 else list(bodies)[::-1]:
+                body = bodies[side]
+                start = time.thread_time()
+                for _ in range(calls * 10):
+                    body(noop, None, args, kwargs)
+                if round_:
+                    alone[side].append((time.thread_time() - start) / (calls * 10))
+        blocks.update({f"decision_{side}": values for side, values in alone.items()})
+        low = {route: bench.slowest(min(values)) for route, values in blocks.items()}
+        middle = {route: bench.slowest(statistics.median(values)) for route, values in blocks.items()}
+        bench.record(kind="served", case=name, calls_per_round=calls, rounds=rounds, shim_on_cpu_seconds=low["on"],
+                     shim_off_cpu_seconds=low["off"], wrapt_cpu_seconds=low["wrapt"],
+                     added_cpu_seconds=low["on"] - low["off"], wrapt_pass_through_added_cpu_seconds=low["wrapt"] - low["off"],
+                     added_beyond_wrapt_cpu_seconds=low["on"] - low["wrapt"],
+                     median_added_beyond_wrapt_cpu_seconds=middle["on"] - middle["wrapt"],
+                     median_added_cpu_seconds=middle["on"] - middle["off"],
+                     decision_beyond_pass_through_cpu_seconds=low["decision_shim"] - low["decision_pass_through"],
+                     median_decision_beyond_pass_through_cpu_seconds=(middle["decision_shim"]
+                                                                      - middle["decision_pass_through"]))
 
 
 def pageable(bench, nbytes: int, limits: dict, floor_bandwidth: float, limit) -> None:
@@ -274,25 +347,26 @@ def pageable(bench, nbytes: int, limits: dict, floor_bandwidth: float, limit) ->
         dist.all_reduce(staged, group=nccl)
         t.copy_(staged)
 
-    times = bench.compare({
-        "offload_shim_bounce": (True, with_path("bounce")),
-        "offload_shim_driver": (True, with_path("driver")),
-        "offload_shim_pinned": (True, lambda: dist.all_reduce(pinned, group=nccl)),
-        "hand_staging": (False, hand),
-        "pageable_limit": (False, limit),
-    }, 8)
-    # A pageable tensor staged again and again with registration on (registered at its second call, in the first
-    # round, which is warm-up), against pinned memory in the same block.
-    registered = host_tensor(nbytes // 4, torch.float32, False)
-    previous = offload_shim.configure(register_bytes=2 * nbytes)
+    # Registration off: every call is staged as a storage's first call is (a storage seen once is not registered).
+    previous = offload_shim.configure(register_bytes=0)
     try:
-        again = bench.compare({
-            "offload_shim_registered": (True, lambda: dist.all_reduce(registered, group=nccl)),
-            "offload_shim_pinned_beside_registered": (True, lambda: dist.all_reduce(pinned, group=nccl)),
-        }, bench.rounds(nbytes))
-        registered_pinned = registered.is_pinned() if bench.device.type != "cpu" else None
+        times = bench.compare({
+            "offload_shim_bounce": (True, with_path("bounce")),
+            "offload_shim_driver": (True, with_path("driver")),
+            "offload_shim_pinned": (True, lambda: dist.all_reduce(pinned, group=nccl)),
+            "hand_staging": (False, hand),
+            "pageable_limit": (False, limit),
+        }, 8)
     finally:
         offload_shim.configure(register_bytes=previous.register_bytes)
+    # A pageable tensor staged again and again with the default settings (registered at its second call, in the
+    # first round, which is warm-up), against pinned memory in the same blocks.
+    registered = host_tensor(nbytes // 4, torch.float32, False)
+    again = bench.compare({
+        "offload_shim_registered": (True, lambda: dist.all_reduce(registered, group=nccl)),
+        "offload_shim_pinned_beside_registered": (True, lambda: dist.all_reduce(pinned, group=nccl)),
+    }, bench.rounds(nbytes))
+    registered_pinned = registered.is_pinned() if bench.device.type != "cpu" else None
     times.update(again)
     returned, done = float("inf"), float("inf")
     for _ in range(bench.rounds(nbytes) + 1):
