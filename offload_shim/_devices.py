@@ -274,17 +274,23 @@ def lacks_backend(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and NO_BACKEND in str(error)
 
 
-def torch_first(wrapped, args, kwargs, call=None) -> tuple[object, RuntimeError | None]:
-    """Torch's own call (``call(wrapped, args, kwargs)`` where given), for accelerator tensors on a collective that
-    needs the host only where torch refuses them (:func:`refused_for_host`): ``(result, None)``, or ``(None,
-    refusal)`` where torch refused their device type (:func:`lacks_backend`) and host staging is on; the caller
-    raises the refusal where it stages nothing. Any other error propagates as torch raised it."""
+def torch_first(wrapped, args, kwargs) -> tuple[object, RuntimeError | None]:
+    """Torch's own call, for accelerator tensors on a collective that needs the host only where torch refuses them
+    (:func:`refused_for_host`): ``(result, None)``, or ``(None, refusal)`` where torch refused their device type
+    and host staging is on (:func:`sends_to_host`); the caller raises the refusal where it stages nothing. Any
+    other error propagates as torch raised it. (The served paths of ``_wrappers`` write this out inline.)"""
     try:
-        return (wrapped(*args, **kwargs) if call is None else call(wrapped, args, kwargs)), None
+        return wrapped(*args, **kwargs), None
     except RuntimeError as error:
-        if not (_config.settings().host_staging and lacks_backend(error)):
+        if not sends_to_host(error):
             raise
         return None, error
+
+
+def sends_to_host(error: RuntimeError) -> bool:
+    """Whether torch's ``error`` sends a call of accelerator tensors to the host: torch refused their device type
+    (:func:`lacks_backend`), and host staging is on."""
+    return _config.settings().host_staging and lacks_backend(error)
 
 
 # Device types whose tensors are never staged through the host: the host's own, and ``meta``, which holds no data.

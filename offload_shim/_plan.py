@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import weakref
 import zlib
 
@@ -154,6 +155,11 @@ class Plan:
 # reference to the group, the settings then, the device). Calls on that group under those settings need not
 # resolve the device again: a small staged call costs little more than its decision.
 _last_device: tuple = (lambda: None, None, None)
+# The last group with a CPU backend and an accelerator backend whose host-only chunkable call was decided: (weak
+# reference to the group, the settings then, the group's state holding the ranks' agreement then, the shared size in
+# bytes from which such a call is routed; ``math.inf``: never). Smaller calls on that group, under the same settings
+# and agreement, are torch's untouched (:func:`host_call_below_route`), without deciding again.
+_last_route: tuple = (lambda: None, None, None, None, 0)
 
 
 def decide(call: Call) -> Plan | None:
@@ -219,6 +225,15 @@ def decide(call: Call) -> Plan | None:
     return _stage(call, device, _counters.STAGED, settings, host, tensors)
 
 
+def host_call_below_route(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether a chunkable call of the single host ``tensor`` on ``group`` goes to torch untouched as decided before:
+    the group's last host-only call was decided under the same settings and the same agreement of its ranks
+    (:func:`_on_host_group`), and this call is smaller than the size the agreed threshold routes from. The served
+    path's question for the small CPU calls of a ``cpu:gloo,cuda:nccl`` group; ``False`` decides as for any call."""
+    last, settings, state, agreement, below = _last_route
+    return last() is group and settings is _config.settings() and state.agreement is agreement and tensor.nbytes < below
+
+
 def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Plan | None:
     """A host-only call on a group that serves the host: torch's, unless routed through the group's accelerator
     backend, or staging is forced (``always_stage``)."""
@@ -231,10 +246,10 @@ def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Pl
         candidate, _ = _devices.staging_device(group, frozenset({accelerator}), settings)
         agreement = _groups.agree(group, settings, None, call.entry.label, can_route=candidate is not None)
         threshold = settings.route_min_bytes
-        if (
-            agreement.route and threshold is not None and call.entry.chunkable and group.size() > 1
-            and _shared_bytes(call) >= threshold
-        ):
+        routes = agreement.route and threshold is not None and group.size() > 1
+        if call.entry.chunkable and not settings.always_stage:
+            _remember_route(group, settings, agreement, threshold if routes else math.inf)
+        if routes and call.entry.chunkable and _shared_bytes(call) >= threshold:
             return _stage(call, candidate, _counters.ROUTED, settings, host, tensors)
     if not settings.always_stage:
         return None
@@ -244,6 +259,14 @@ def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Pl
     if accelerator is None and call.entry.chunkable:
         _groups.agree(group, settings, None, call.entry.label)
     return _stage(call, device, _counters.FORCED, settings, host, tensors)
+
+
+def _remember_route(group, settings, agreement, below) -> None:
+    global _last_route
+    try:
+        _last_route = (weakref.ref(group), settings, _groups.state_of(group), agreement, below)
+    except TypeError:  # a group type without weak references: not remembered
+        pass
 
 
 def _shared_bytes(call: Call) -> int:

@@ -111,6 +111,7 @@ def c10d_wrapper(entry: _table.Collective):
             return _passing_through
         group_at = parameters.position("group")
         lazy = _devices.refused_for_host(label)  # accelerator tensors go to torch first (see _devices)
+        nests = _calls_wrapped(original)  # torch 2.13's all_gather_into_tensor calls all_gather_single
 
         def stage(wrapped, args, kwargs, group, refused=None):
             plan = _plan.decide(_bind(entry, parameters, args, kwargs, group))
@@ -129,15 +130,18 @@ def c10d_wrapper(entry: _table.Collective):
                 if not isinstance(tensor, torch.Tensor):
                     return wrapped(*args, **kwargs)
                 if not tensor.is_cpu:  # an accelerator's tensor: through the host where the group has no backend
-                    result, refused = _devices.torch_first(wrapped, args, kwargs)  # torch refuses before any wire
-                    if refused is None:
-                        return result
+                    try:  # torch first (_devices.torch_first, inline): it refuses before any wire
+                        return wrapped(*args, **kwargs)
+                    except RuntimeError as error:
+                        if not _devices.sends_to_host(error):
+                            raise
+                        refused = error
                     group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
                     if group is None:
                         raise refused
                     return stage(wrapped, args, kwargs, group, refused)
                 group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
-                if group is None or _devices.host_calls_served(group):
+                if group is None or _devices.host_calls_served(group) or _plan.host_call_below_route(group, tensor):
                     return wrapped(*args, **kwargs)
                 # A small call captured before, replayed without deciding again while what decided it holds (_replay).
                 if _replay._captures and _replay.replayed(tensor, group, label, wrapped, args, kwargs, at):
@@ -156,27 +160,37 @@ def c10d_wrapper(entry: _table.Collective):
             # Every call passes here: one pass over its tensor arguments decides most calls that need no staging.
             if _within.depth:  # called by torch's call of another wrapped collective, passed on undecided
                 return wrapped(*args, **kwargs)
-            host, kind = False, None
+            host, kind, accelerator = False, None, None  # (a tensor's device type is read only where needed)
             for name, at in positions:
                 value = args[at] if len(args) > at else kwargs.get(name)
                 if isinstance(value, torch.Tensor):
                     if value.is_cpu:
                         host = True
-                    elif kind is None:
-                        kind = value.device.type
+                    elif accelerator is None:
+                        accelerator = value
                 elif isinstance(value, (list, tuple)):
                     found_host, found_kind = _devices_of(value)
                     host, kind = host or found_host, kind or found_kind
             refused = None
             if not host:
-                if kind is None:
+                if kind is None and accelerator is None:
                     return _to_torch(wrapped, args, kwargs)
                 if lazy:  # accelerator tensors only, on a collective that needs the host only where torch refuses
-                    result, refused = _devices.torch_first(wrapped, args, kwargs, _to_torch)
-                    if refused is None:
-                        return result
+                    if nests:  # (_to_torch's marker, for the wrapped collective torch's calls in turn)
+                        _within.depth += 1
+                    try:  # torch first (_devices.torch_first, inline)
+                        return wrapped(*args, **kwargs)
+                    except RuntimeError as error:
+                        if not _devices.sends_to_host(error):
+                            raise
+                        refused = error
+                    finally:
+                        if nests:
+                            _within.depth -= 1
                 elif not _config.settings().host_staging:
                     return _to_torch(wrapped, args, kwargs)
+            if accelerator is not None:  # the first tensor argument not on the host, before any list's
+                kind = accelerator.device.type
             group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
             # Accelerator tensors through the host, where the group runs this collective on them only so.
             through_host = kind is not None and group is not None and not _devices.accelerator_call_served(
@@ -191,6 +205,18 @@ def c10d_wrapper(entry: _table.Collective):
         return wrapper
 
     return make
+
+
+def _calls_wrapped(function) -> bool:
+    """Whether torch's ``function`` (under its decorators) calls another collective of the table by name: its
+    calls must pass through :func:`_to_torch`'s marker, so that the inner wrapper decides nothing again."""
+    seen = []
+    while function is not None and not any(function is f for f in seen):
+        seen.append(function)
+        function = getattr(function, "__wrapped__", None)
+    own = getattr(seen[-1], "__name__", None)  # (its own name: an attribute of that name on another object)
+    names = getattr(getattr(seen[-1], "__code__", None), "co_names", None)
+    return names is None or any(name in _table.C10D and name != own for name in names)  # (unreadable: it may)
 
 
 def _devices_of(values) -> tuple[bool, str | None]:

@@ -230,3 +230,16 @@ def check_nested_calls_decide_nothing_again():
 
 def test_nested_calls_decide_nothing_again(gloo_ranks):
     gloo_ranks.run(check_nested_calls_decide_nothing_again)
+
+
+def test_the_collectives_that_call_others_are_read_from_torchs_code():
+    """The wrappers mark torch's call as decided (for the wrapped collectives it calls in turn) only where torch's
+    function names another collective of the table: torch 2.13's all_gather_into_tensor and reduce_scatter_tensor,
+    and point-to-point (send names isend; isend a group's method send): never the others."""
+    from offload_shim import _table, _wrappers
+
+    found = {name for name in _table.C10D if hasattr(dist.distributed_c10d, name)
+             and _wrappers._calls_wrapped(getattr(dist.distributed_c10d, name))}
+    nested = {"all_gather_into_tensor", "reduce_scatter_tensor"} if hasattr(dist, "all_gather_single") else set()
+    assert nested <= found <= nested | {"send", "recv", "isend", "irecv"}, found
+    assert _wrappers._calls_wrapped(len)  # no Python code to read: assumed to call others

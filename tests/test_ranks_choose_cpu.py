@@ -22,7 +22,7 @@ import torch.distributed._functional_collectives as funcol
 import offload_shim
 import recording
 from bitwise import same_bits
-from observe import configured
+from observe import configured, counting_calls
 from test_staging_cpu import rank_input, staging_through_cpu
 
 MiB = 1 << 20
@@ -256,3 +256,50 @@ def check_two_threads_two_groups_opposite_orders(through_cpu: bool = True):
 def test_two_threads_on_two_groups_in_opposite_orders(gloo_ranks):
     for threads, split in gloo_ranks.run(check_two_threads_two_groups_opposite_orders):
         assert split == (threads > 1), (threads, split)  # the copy threads were in use wherever there are two CPUs
+
+
+def check_small_host_calls_on_a_two_backend_group(thresholds):
+    """A group with a CPU backend and an accelerator backend (Gloo, and PyTorch's fake backend for CUDA: no CUDA
+    here, so nothing can be routed): its first host call is decided (the ranks agree on the settings), later calls
+    smaller than the routing threshold go to Gloo without deciding again, until the settings change; ranks whose
+    thresholds differ get the agreement's error at the first call, on every rank, as before."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    from offload_shim import _plan
+
+    offload_shim.install()
+    rank = dist.get_rank()
+    group = dist.new_group(backend="cpu:gloo,cuda:fake")
+    answers = {}
+    with configured(route_min_bytes=thresholds[rank]):
+        with counting_calls(_plan, "decide") as decided:
+            try:
+                tensor = torch.full((4,), float(rank + 1))
+                dist.all_reduce(tensor, group=group)
+            except offload_shim.StagingError as error:
+                return {"error": str(error).split(" (")[0]}
+            answers["first"] = (len(decided), tensor.tolist())
+            for _ in range(3):
+                tensor = torch.full((4,), float(rank + 1))
+                dist.all_reduce(tensor, group=group)
+            # Above the threshold, but no rank can route (no CUDA): the agreement says no size is routed.
+            large = torch.full((thresholds[rank] // 4 + 1,), float(rank + 1))
+            dist.all_reduce(large, group=group)
+            answers["later"] = (len(decided), tensor.tolist(), same_bits(large, torch.full_like(large, 3.0)))
+        with configured(chunk_bytes="1MiB"), counting_calls(_plan, "decide") as decided:  # other settings: decided
+            dist.all_reduce(tensor, group=group)
+            dist.all_reduce(tensor, group=group)
+            answers["after configure"] = (len(decided), tensor.tolist())
+    dist.destroy_process_group(group)
+    return answers
+
+
+def test_small_host_calls_on_a_two_backend_group_decide_once(gloo_ranks):
+    for answers in gloo_ranks.run(check_small_host_calls_on_a_two_backend_group, (64, 64)):
+        assert answers == {"first": (1, [3.0] * 4), "later": (1, [3.0] * 4, True),
+                           "after configure": (1, [12.0] * 4)}, answers
+
+
+def test_small_host_calls_on_a_two_backend_group_when_ranks_differ(gloo_ranks):
+    errors = gloo_ranks.run(check_small_host_calls_on_a_two_backend_group, (64, 128))
+    assert errors[0] == errors[1] and "disagree on routing thresholds" in errors[0]["error"], errors
