@@ -155,11 +155,13 @@ class Plan:
 # reference to the group, the settings then, the device). Calls on that group under those settings need not
 # resolve the device again: a small staged call costs little more than its decision.
 _last_device: tuple = (lambda: None, None, None)
-# The last group with a CPU backend and an accelerator backend whose host-only chunkable call was decided: (weak
-# reference to the group, the settings then, the group's state holding the ranks' agreement then, the shared size in
-# bytes from which such a call is routed; ``math.inf``: never). Smaller calls on that group, under the same settings
-# and agreement, are torch's untouched (:func:`host_call_below_route`), without deciding again.
-_last_route: tuple = (lambda: None, None, None, None, 0)
+# The served path's answers for host tensors, by id(group): (weak reference to the group, the settings then, the
+# group's state and the ranks' agreement then, the shared size in bytes from which a host-only chunkable call is
+# routed: ``math.inf``, never; 0: every call is decided). A group that one backend serves entirely keeps ``None``
+# for state and agreement (nothing to agree on), and every size; a group with a CPU and an accelerator backend gets
+# its answer from its last decided host call (:func:`_on_host_group`); any other group, none. See
+# :func:`host_call_served`.
+_host_answers: dict[int, tuple] = {}
 
 
 def decide(call: Call) -> Plan | None:
@@ -225,13 +227,33 @@ def decide(call: Call) -> Plan | None:
     return _stage(call, device, _counters.STAGED, settings, host, tensors)
 
 
-def host_call_below_route(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
-    """Whether a chunkable call of the single host ``tensor`` on ``group`` goes to torch untouched as decided before:
-    the group's last host-only call was decided under the same settings and the same agreement of its ranks
-    (:func:`_on_host_group`), and this call is smaller than the size the agreed threshold routes from. The served
-    path's question for the small CPU calls of a ``cpu:gloo,cuda:nccl`` group; ``False`` decides as for any call."""
-    last, settings, state, agreement, below = _last_route
-    return last() is group and settings is _config.settings() and state.agreement is agreement and tensor.nbytes < below
+def host_call_served(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether a chunkable call of the single host ``tensor`` on ``group`` goes to torch untouched, under the
+    settings in force: one backend serves everything the group serves (a plain Gloo group) and nothing forces
+    staging; or, on a group with a CPU and an accelerator backend, its last host-only call was decided under the
+    same settings and the same agreement of its ranks, and this call is smaller than the size the agreed threshold
+    routes from (the ranks have agreed first, so a rank whose settings differ still fails at the first call, as
+    every rank does). The served path's question for host tensors: a dict lookup and a few reads. ``False``:
+    decide, as for any call."""
+    entry = _host_answers.get(id(group))
+    settings = _config.settings()
+    if entry is not None and entry[0]() is group and entry[1] is settings:
+        _, _, state, agreement, below = entry
+        return (state is None or state.agreement is agreement) and tensor.nbytes < below
+    served = _devices.host_calls_served(group)
+    # Served: every size; otherwise none, until a decision on a group with a CPU backend says which (_on_host_group).
+    _remember(group, settings, None, None, math.inf if served else 0)
+    return served
+
+
+def _remember(group, settings, state, agreement, below) -> None:
+    try:
+        reference = weakref.ref(group)
+    except TypeError:  # a group type without weak references: not remembered
+        return
+    if len(_host_answers) >= 64:  # (groups destroyed and made again: ids reused, references dead)
+        _host_answers.clear()
+    _host_answers[id(group)] = (reference, settings, state, agreement, below)
 
 
 def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Plan | None:
@@ -248,7 +270,7 @@ def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Pl
         threshold = settings.route_min_bytes
         routes = agreement.route and threshold is not None and group.size() > 1
         if call.entry.chunkable and not settings.always_stage:
-            _remember_route(group, settings, agreement, threshold if routes else math.inf)
+            _remember(group, settings, _groups.state_of(group), agreement, threshold if routes else math.inf)
         if routes and call.entry.chunkable and _shared_bytes(call) >= threshold:
             return _stage(call, candidate, _counters.ROUTED, settings, host, tensors)
     if not settings.always_stage:
@@ -259,14 +281,6 @@ def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Pl
     if accelerator is None and call.entry.chunkable:
         _groups.agree(group, settings, None, call.entry.label)
     return _stage(call, device, _counters.FORCED, settings, host, tensors)
-
-
-def _remember_route(group, settings, agreement, below) -> None:
-    global _last_route
-    try:
-        _last_route = (weakref.ref(group), settings, _groups.state_of(group), agreement, below)
-    except TypeError:  # a group type without weak references: not remembered
-        pass
 
 
 def _shared_bytes(call: Call) -> int:

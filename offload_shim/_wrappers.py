@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
+import os
+import sys
 
 import torch
 import torch.distributed as dist
+import wrapt
 
 from offload_shim import _config, _counters, _devices, _execute, _groups, _plan, _replay, _staging, _table
 from offload_shim._patching import Parameters, Target, unwrap_ours
@@ -81,22 +83,27 @@ def _passing_through(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-class _Within(threading.local):
-    depth = 0  # how many list wrappers of this thread are in torch's call, having passed it on
+def _innermost(function):
+    """torch's own function under its decorators (and the shim's wrapper): the end of its ``__wrapped__`` chain."""
+    seen = []
+    while function is not None and not any(function is f for f in seen):
+        seen.append(function)
+        function = getattr(function, "__wrapped__", None)
+    return seen[-1]
 
 
-_within = _Within()
-
-
-def _to_torch(wrapped, args, kwargs):
-    """torch's call, undecided, and with it every wrapped collective it calls in turn in this thread (torch 2.13's
+def _callers(name: str) -> frozenset:
+    """The code of torch's collectives (those of the table) that call collective ``name`` by name: torch 2.13's
     ``all_gather_into_tensor`` calls ``all_gather_single``, its ``reduce_scatter_tensor`` ``reduce_scatter_single``,
-    on the same tensors and group): the outer call has decided for them."""
-    _within.depth += 1
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        _within.depth -= 1
+    on the same tensors and group. A call of ``name`` made from that code is passed on undecided (the outer call has
+    decided for it), and the outer call pays nothing for it."""
+    codes = set()
+    for other in _table.C10D:
+        function = getattr(dist.distributed_c10d, other, None)
+        code = getattr(_innermost(function), "__code__", None) if other != name and function is not None else None
+        if code is not None and name in code.co_names:
+            codes.add(code)
+    return frozenset(codes)
 
 
 def c10d_wrapper(entry: _table.Collective):
@@ -111,7 +118,7 @@ def c10d_wrapper(entry: _table.Collective):
             return _passing_through
         group_at = parameters.position("group")
         lazy = _devices.refused_for_host(label)  # accelerator tensors go to torch first (see _devices)
-        nests = _calls_wrapped(original)  # torch 2.13's all_gather_into_tensor calls all_gather_single
+        callers = _callers(entry.name)  # torch's collectives that call this one (see _callers)
 
         def stage(wrapped, args, kwargs, group, refused=None):
             plan = _plan.decide(_bind(entry, parameters, args, kwargs, group))
@@ -141,7 +148,7 @@ def c10d_wrapper(entry: _table.Collective):
                         raise refused
                     return stage(wrapped, args, kwargs, group, refused)
                 group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
-                if group is None or _devices.host_calls_served(group) or _plan.host_call_below_route(group, tensor):
+                if group is None or _plan.host_call_served(group, tensor):
                     return wrapped(*args, **kwargs)
                 # A small call captured before, replayed without deciding again while what decided it holds (_replay).
                 if _replay._captures and _replay.replayed(tensor, group, label, wrapped, args, kwargs, at):
@@ -158,7 +165,7 @@ def c10d_wrapper(entry: _table.Collective):
 
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: one pass over its tensor arguments decides most calls that need no staging.
-            if _within.depth:  # called by torch's call of another wrapped collective, passed on undecided
+            if callers and _called_from(callers):  # by torch's call of another wrapped collective: undecided
                 return wrapped(*args, **kwargs)
             host, kind, accelerator = False, None, None  # (a tensor's device type is read only where needed)
             for name, at in positions:
@@ -174,21 +181,16 @@ def c10d_wrapper(entry: _table.Collective):
             refused = None
             if not host:
                 if kind is None and accelerator is None:
-                    return _to_torch(wrapped, args, kwargs)
+                    return wrapped(*args, **kwargs)
                 if lazy:  # accelerator tensors only, on a collective that needs the host only where torch refuses
-                    if nests:  # (_to_torch's marker, for the wrapped collective torch's calls in turn)
-                        _within.depth += 1
                     try:  # torch first (_devices.torch_first, inline)
                         return wrapped(*args, **kwargs)
                     except RuntimeError as error:
                         if not _devices.sends_to_host(error):
                             raise
                         refused = error
-                    finally:
-                        if nests:
-                            _within.depth -= 1
                 elif not _config.settings().host_staging:
-                    return _to_torch(wrapped, args, kwargs)
+                    return wrapped(*args, **kwargs)
             if accelerator is not None:  # the first tensor argument not on the host, before any list's
                 kind = accelerator.device.type
             group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
@@ -199,7 +201,7 @@ def c10d_wrapper(entry: _table.Collective):
             if (served or not host) and not through_host:
                 if refused is not None:
                     raise refused
-                return _to_torch(wrapped, args, kwargs)
+                return wrapped(*args, **kwargs)
             return stage(wrapped, args, kwargs, group, refused)
 
         return wrapper
@@ -207,16 +209,14 @@ def c10d_wrapper(entry: _table.Collective):
     return make
 
 
-def _calls_wrapped(function) -> bool:
-    """Whether torch's ``function`` (under its decorators) calls another collective of the table by name: its
-    calls must pass through :func:`_to_torch`'s marker, so that the inner wrapper decides nothing again."""
-    seen = []
-    while function is not None and not any(function is f for f in seen):
-        seen.append(function)
-        function = getattr(function, "__wrapped__", None)
-    own = getattr(seen[-1], "__name__", None)  # (its own name: an attribute of that name on another object)
-    names = getattr(getattr(seen[-1], "__code__", None), "co_names", None)
-    return names is None or any(name in _table.C10D and name != own for name in names)  # (unreadable: it may)
+def _called_from(callers: frozenset) -> bool:
+    """Whether the wrapper's caller (its wrapt ``FunctionWrapper``'s caller) runs one of ``callers``' code."""
+    frame = sys._getframe(2)  # (1: the wrapper itself, called by wrapt's C code, which adds no frame)
+    return frame.f_code in callers or (frame.f_code.co_filename.startswith(_WRAPT) and frame.f_back is not None
+                                        and frame.f_back.f_code in callers)  # (wrapt without its C extension)
+
+
+_WRAPT = os.path.dirname(os.path.abspath(wrapt.__file__))
 
 
 def _devices_of(values) -> tuple[bool, str | None]:

@@ -233,13 +233,17 @@ def test_nested_calls_decide_nothing_again(gloo_ranks):
 
 
 def test_the_collectives_that_call_others_are_read_from_torchs_code():
-    """The wrappers mark torch's call as decided (for the wrapped collectives it calls in turn) only where torch's
-    function names another collective of the table: torch 2.13's all_gather_into_tensor and reduce_scatter_tensor,
-    and point-to-point (send names isend; isend a group's method send): never the others."""
+    """A wrapper passes a call on undecided where torch's code of another collective of the table makes it (the
+    outer wrapper has decided): torch 2.13's all_gather_into_tensor calls all_gather_single, reduce_scatter_tensor
+    reduce_scatter_single; point-to-point functions name each other (send names isend, isend a group's method
+    send); no other collective's code names one."""
     from offload_shim import _table, _wrappers
 
-    found = {name for name in _table.C10D if hasattr(dist.distributed_c10d, name)
-             and _wrappers._calls_wrapped(getattr(dist.distributed_c10d, name))}
-    nested = {"all_gather_into_tensor", "reduce_scatter_tensor"} if hasattr(dist, "all_gather_single") else set()
-    assert nested <= found <= nested | {"send", "recv", "isend", "irecv"}, found
-    assert _wrappers._calls_wrapped(len)  # no Python code to read: assumed to call others
+    found = {name: {c.co_name for c in _wrappers._callers(name)} for name in _table.C10D}
+    found = {name: callers for name, callers in found.items() if callers}
+    nested = ({"all_gather_single": {"all_gather_into_tensor"}, "reduce_scatter_single": {"reduce_scatter_tensor"}}
+              if hasattr(dist, "all_gather_single") else {})  # (torch 2.13 and newer)
+    point_to_point = {"send", "recv", "isend", "irecv"}
+    assert {name: found.get(name) for name in nested} == nested, found
+    assert all(name in point_to_point and callers <= point_to_point
+               for name, callers in found.items() if name not in nested), found
