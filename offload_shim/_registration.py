@@ -52,6 +52,9 @@ _freed_pointers: list[int] = []
 _deferred: list[int] = []  # pointers taken off the table during a CUDA graph capture, unregistered after it
 
 
+BUDGET = "half of the host's memory (MemTotal, or the cgroup's memory.max where lower) over LOCAL_WORLD_SIZE"
+
+
 def budget(environ=os.environ) -> int:
     """The default budget of registered memory, in bytes: half of the memory this process's host gives it (the
     smaller of ``MemTotal`` in ``/proc/meminfo`` and its cgroup's ``memory.max``), divided among the ranks of the

@@ -132,3 +132,16 @@ def test_doctor_says_who_installed_the_shim():
     off = cli("doctor", env={"OFFLOAD_SHIM": "0"})
     assert "installed in this process        no: OFFLOAD_SHIM is false\n" in off.stdout
     assert "import torch in a program here   does nothing: OFFLOAD_SHIM is false\n" in off.stdout
+
+
+def test_doctor_gives_the_registration_budget():
+    """With OFFLOAD_SHIM_REGISTER_BYTES unset, doctor gives the budget this rank's registration has (the node's ranks
+    share half of the host's memory); set, the size given."""
+    from offload_shim import _counters, _registration
+
+    for ranks in ("1", "8"):
+        out = cli("doctor", env={"LOCAL_WORLD_SIZE": ranks})
+        budget = _counters.format_bytes(_registration.budget({"LOCAL_WORLD_SIZE": ranks}))
+        assert f"  register_bytes                 None (default: {budget}, half of the host's memory" in out.stdout, out
+    out = cli("doctor", env={"OFFLOAD_SHIM_REGISTER_BYTES": "4GiB"})
+    assert "  register_bytes                 4294967296 (set)\n" in out.stdout, out.stdout
