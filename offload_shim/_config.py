@@ -225,6 +225,7 @@ def settings_from_environment(environ=os.environ) -> Settings:
 
 _lock = globals().get("_lock") or threading.Lock()
 _settings = globals().get("_settings") or Settings()  # kept across importlib.reload of this module
+_forgetting: list = globals().get("_forgetting", [])  # (on_change)
 
 
 def settings() -> Settings:
@@ -278,7 +279,15 @@ def configure(**changes) -> Settings:
     with _lock:
         previous = _settings
         _settings = dataclasses.replace(previous, **changes)
+    for forget in _forgetting:
+        forget()
     return previous
+
+
+def on_change(forget) -> None:
+    """Have :func:`configure` and :func:`load_environment` call ``forget()`` after every change: a cache of answers
+    decided under the settings then in force (the served path's), which then needs no settings read of its own."""
+    _forgetting.append(forget)
 
 
 def unknown_variables(environ=os.environ) -> list[str]:
@@ -309,3 +318,5 @@ def load_environment() -> None:
     new = settings_from_environment()
     with _lock:
         _settings = new
+    for forget in _forgetting:
+        forget()

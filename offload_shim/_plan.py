@@ -162,6 +162,7 @@ _last_device: tuple = (lambda: None, None, None)
 # its answer from its last decided host call (:func:`_on_host_group`); any other group, none. See
 # :func:`host_call_served`.
 _host_answers: dict[int, tuple] = {}
+_config.on_change(_host_answers.clear)  # the answers hold under the settings they were found under
 
 
 def decide(call: Call) -> Plan | None:
@@ -235,11 +236,11 @@ def host_call_served(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
     routes from (the ranks have agreed first, so a rank whose settings differ still fails at the first call, as
     every rank does). The served path's question for host tensors: a dict lookup and a few reads. ``False``:
     decide, as for any call."""
-    entry = _host_answers.get(id(group))
-    settings = _config.settings()
-    if entry is not None and entry[0]() is group and entry[1] is settings:
+    entry = _host_answers.get(id(group))  # (emptied by every configure())
+    if entry is not None and entry[0]() is group:
         _, _, state, agreement, below = entry
         return (state is None or state.agreement is agreement) and tensor.nbytes < below
+    settings = _config.settings()
     served = _devices.host_calls_served(group)
     # Served: every size; otherwise none, until a decision on a group with a CPU backend says which (_on_host_group).
     _remember(group, settings, None, None, math.inf if served else 0)
@@ -250,6 +251,8 @@ def _remember(group, settings, state, agreement, below) -> None:
     try:
         reference = weakref.ref(group)
     except TypeError:  # a group type without weak references: not remembered
+        return
+    if settings is not _config.settings():  # configure() ran since the answer was found: it no longer holds
         return
     if len(_host_answers) >= 64:  # (groups destroyed and made again: ids reused, references dead)
         _host_answers.clear()

@@ -837,3 +837,26 @@ def test_registration_budget_by_default():
     assert alone == (host if limit is None else min(host, limit)) // 2 > 0
     assert _registration.budget({"LOCAL_WORLD_SIZE": "4"}) == alone // 4
     assert _registration.budget({"LOCAL_WORLD_SIZE": "not a number"}) == alone
+
+
+def check_served_answers_follow_configure():
+    """The served path keeps one answer per group for host tensors; configure() empties them: a call served under
+    one setting is staged at once under the next, and served again after (counted by the staging counters)."""
+    offload_shim.install()
+    offload_shim.reset_staging_counters()
+    rank = dist.get_rank()
+    staged = lambda: sum(count.calls for count in offload_shim.staging_counters().values())  # noqa: E731
+    counts, values = [], []
+    for forced in (False, True, False, True):
+        with configured(staging_device="cpu", always_stage=forced):
+            for _ in range(2):
+                tensor = torch.full((4,), float(rank + 1))
+                dist.all_reduce(tensor)
+                values.append(tensor.tolist())
+            counts.append(staged())
+    return counts, values
+
+
+def test_served_answers_follow_configure(gloo_ranks):
+    for counts, values in gloo_ranks.run(check_served_answers_follow_configure):
+        assert counts == [0, 2, 2, 4] and values == [[3.0] * 4] * 8, (counts, values)
