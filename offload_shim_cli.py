@@ -305,7 +305,8 @@ def _environment_rows(problems: list, notes: list) -> list:
     defaults = _config.Settings()
     for name in _config.ENVIRONMENT:
         raw = os.environ.get(name)
-        rows.append((name, f"{raw!r} (environment)" if raw is not None and raw.strip() else "<unset>"))
+        shown = "<unset>" if raw is None else f"{raw!r} (environment)" if raw.strip() else f"{raw!r} (empty: as unset)"
+        rows.append((name, shown))
     settings = offload_shim.settings()
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)

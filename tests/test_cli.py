@@ -145,3 +145,6 @@ def test_doctor_gives_the_registration_budget():
         assert f"  register_bytes                 None (default: {budget}, half of the host's memory" in out.stdout, out
     out = cli("doctor", env={"OFFLOAD_SHIM_REGISTER_BYTES": "4GiB"})
     assert "  register_bytes                 4294967296 (set)\n" in out.stdout, out.stdout
+    out = cli("doctor", env={"OFFLOAD_SHIM_REGISTER_BYTES": ""})  # empty: as unset, and said so
+    assert "OFFLOAD_SHIM_REGISTER_BYTES      '' (empty: as unset)\n" in out.stdout, out.stdout
+    assert "  register_bytes                 None (default: " in out.stdout, out.stdout
