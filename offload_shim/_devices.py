@@ -109,17 +109,20 @@ def unreadable(group: dist.ProcessGroup) -> bool:
     per group, one log line says so (``offload-shim doctor`` says it for the default group)."""
     if served_device_types(group):
         return False
+    passed_through(group, "it records no device types (neither the group nor "
+                          "torch.distributed.Backend.backend_capability)")
+    return True
+
+
+def passed_through(group: dist.ProcessGroup, why: str) -> None:
+    """Say once per group, in one log line, that its calls go to torch untouched, never staged, and ``why``."""
     if group not in _passed_through:
         try:
             _passed_through[group] = True
         except TypeError:  # a group type without weak references: said each time
             pass
-        _log.warning(
-            "offload_shim: process group %s with backend %r records no device types (neither the group nor "
-            "torch.distributed.Backend.backend_capability): its calls go to torch untouched, never staged",
-            group_label(group), backend_description(group),
-        )
-    return True
+        _log.warning("offload_shim: process group %s with backend %r: its calls go to torch untouched, never staged: "
+                     "%s", group_label(group), backend_description(group), why)
 
 
 _passed_through: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # unreadable groups already logged

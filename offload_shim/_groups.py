@@ -131,6 +131,11 @@ def agree(group: dist.ProcessGroup, settings, unable: str | None, collective: st
     return agreement
 
 
+class Unagreeable(Exception):
+    """The group's store cannot be written (PyTorch's ``FakeStore``, which its tests' simulated ranks use: "Not
+    implemented"): its ranks cannot agree, so nothing is staged on the group (``_plan.decide``)."""
+
+
 def _exchange(group, generation: int, mine: tuple, unable: str | None, collective: str) -> _Agreement:
     size = group.size()
     if size == 1:
@@ -140,7 +145,12 @@ def _exchange(group, generation: int, mine: tuple, unable: str | None, collectiv
     if store is None:  # a group torch keeps no store for: nothing to compare through
         return _Agreement(mine=mine, route=False, generation=generation)
     keys = [f"offload_shim/agreement/{generation}/{rank}" for rank in range(size)]
-    store.set(keys[group.rank()], json.dumps({"fingerprint": mine, "unable": unable}))
+    try:
+        store.set(keys[group.rank()], json.dumps({"fingerprint": mine, "unable": unable}))
+    except RuntimeError as error:  # a store that keeps nothing: on every rank alike
+        if "Not implemented" not in str(error):
+            raise
+        raise Unagreeable(str(error)) from error
     timeout = _devices.group_timeout(group)
     if not _wait_for(store, keys, timeout.total_seconds()):  # a rank never got here
         missing = [rank for rank, key in enumerate(keys) if not store.check([key])]

@@ -177,6 +177,15 @@ def decide(call: Call) -> Plan | None:
     group = call.group
     if group is None or _staging._calls.depth:  # (a collective called from inside a staged call: torch's)
         return None
+    try:
+        return _decide(call, group)
+    except _groups.Unagreeable:  # (on every rank alike: the same store)
+        _devices.passed_through(group, "its store cannot be written (a FakeStore), so its ranks cannot agree on "
+                                       "staging")
+        return None
+
+
+def _decide(call: Call, group) -> Plan | None:
     tensors = call.tensors()
     host = [t for t in tensors if t.is_cpu]
     settings = _config.settings()
@@ -239,7 +248,8 @@ def host_call_served(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
     entry = _host_answers.get(id(group))  # (emptied by every configure())
     if entry is not None and entry[0]() is group:
         _, _, state, agreement, below = entry
-        return (state is None or state.agreement is agreement) and tensor.nbytes < below
+        # (numel * element_size, not nbytes: that raises for a sparse tensor, which the decision leaves to torch)
+        return (state is None or state.agreement is agreement) and tensor.numel() * tensor.element_size() < below
     settings = _config.settings()
     served = _devices.host_calls_served(group)
     # Served: every size; otherwise none, until a decision on a group with a CPU backend says which (_on_host_group).
@@ -265,6 +275,10 @@ def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Pl
     accelerator = next((t for t in sorted(served) if _devices.backend_for(group, t) != cpu), None)
     if accelerator is None and not settings.always_stage:
         return None  # one backend serves everything (a plain Gloo group): nothing to route to, nothing forced
+    if call.entry.point_to_point and not settings.always_stage:
+        # Never routed, on any rank; and agreeing would wait for every rank of the group, where a send waits for
+        # one peer only (that peer may be waiting for this rank elsewhere first).
+        return None
     if accelerator is not None:
         # Two backends: the route (and, forced, the backend) of every host call depends on every rank's settings
         # and on every rank being able to route: agreed first.

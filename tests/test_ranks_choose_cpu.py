@@ -303,3 +303,32 @@ def test_small_host_calls_on_a_two_backend_group_decide_once(gloo_ranks):
 def test_small_host_calls_on_a_two_backend_group_when_ranks_differ(gloo_ranks):
     errors = gloo_ranks.run(check_small_host_calls_on_a_two_backend_group, (64, 128))
     assert errors[0] == errors[1] and "disagree on routing thresholds" in errors[0]["error"], errors
+
+
+def check_point_to_point_on_a_two_backend_group_waits_for_its_peer_only():
+    """A send on a group with a CPU and an accelerator backend waits for its receiver only, as torch's does: never
+    routed, it asks no agreement of the group's other ranks (here the receiver is in a barrier first)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    offload_shim.install()
+    rank = dist.get_rank()
+    group = dist.new_group(backend="cpu:gloo,cuda:fake", timeout=datetime.timedelta(seconds=60))
+    start = time.monotonic()
+    if rank == 0:
+        work = dist.isend(torch.full((4,), 7.0), dst=1, group=group)
+        dist.barrier()
+        work.wait()
+        got = None
+    else:
+        dist.barrier()
+        got = torch.zeros(4)
+        dist.recv(got, src=0, group=group)
+        got = got.tolist()
+    seconds = time.monotonic() - start
+    dist.destroy_process_group(group)
+    return got, seconds
+
+
+def test_point_to_point_on_a_two_backend_group_waits_for_its_peer_only(gloo_ranks):
+    (_, sent), (got, received) = gloo_ranks.run(check_point_to_point_on_a_two_backend_group_waits_for_its_peer_only)
+    assert got == [7.0] * 4 and max(sent, received) < 30, (got, sent, received)

@@ -716,3 +716,31 @@ def check_bool_reductions_bitwise():
 
 def test_bool_reductions_bitwise(gloo_ranks):
     gloo_ranks.run(check_bool_reductions_bitwise)
+
+
+FAKE_STORE_GROUP = """
+import logging, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import offload_shim
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+offload_shim.install()
+offload_shim.configure(staging_device="cpu", always_stage=True)
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+tensor = torch.arange(4.0)
+for _ in range(2):
+    dist.all_reduce(tensor)
+print(tensor.tolist(), dict(offload_shim.staging_counters()))
+"""
+
+
+def test_a_group_whose_store_keeps_nothing_goes_to_torch_untouched():
+    """PyTorch's tests simulate ranks in one process on a group whose store keeps nothing (FakeStore: "Not
+    implemented"): its ranks cannot agree on staging, so even forced staging leaves its calls to torch (the fake
+    backend changes nothing), and one log line per group says so."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", FAKE_STORE_GROUP], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[0.0, 1.0, 2.0, 3.0] {}", run.stdout
+    assert run.stderr.count("its store cannot be written (a FakeStore)") == 1, run.stderr[-3000:]
