@@ -83,15 +83,6 @@ def _passing_through(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _innermost(function):
-    """torch's own function under its decorators (and the shim's wrapper): the end of its ``__wrapped__`` chain."""
-    seen = []
-    while function is not None and not any(function is f for f in seen):
-        seen.append(function)
-        function = getattr(function, "__wrapped__", None)
-    return seen[-1]
-
-
 def _callers(name: str) -> frozenset:
     """The code of torch's collectives (those of the table) that call collective ``name`` by name: torch 2.13's
     ``all_gather_into_tensor`` calls ``all_gather_single``, its ``reduce_scatter_tensor`` ``reduce_scatter_single``,
@@ -99,8 +90,8 @@ def _callers(name: str) -> frozenset:
     decided for it), and the outer call pays nothing for it."""
     codes = set()
     for other in _table.C10D:
-        function = getattr(dist.distributed_c10d, other, None)
-        code = getattr(_innermost(function), "__code__", None) if other != name and function is not None else None
+        chain = _chain(getattr(dist.distributed_c10d, other, None))  # torch's own function is its chain's end
+        code = getattr(chain[-1], "__code__", None) if other != name and chain else None
         if code is not None and name in code.co_names:
             codes.add(code)
     return frozenset(codes)
