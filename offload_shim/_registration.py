@@ -9,9 +9,9 @@ A storage is registered at its second pipelined staging (a storage staged once, 
 never is), if it fits under the budget: :func:`budget` by default, half of the host's memory shared by the node's
 ranks. The least recently staged ones are unregistered to make room, and a storage unregistered so is registered
 again only into free room (storages reused in turn beyond the budget would otherwise be registered and unregistered
-at every call); one larger than the budget never is. A storage is unregistered once it is freed (a finalizer on torch's storage object,
-which lives exactly as long as the storage, queues it, and the module's next call unregisters it: never the finalizer
-itself, which may run during a CUDA graph capture or under any lock), when the budget needs its room, when the
+at every call); one larger than the budget never is. A storage is unregistered once it is freed (a finalizer on
+torch's storage object, which lives exactly as long as the storage, queues it, and the module's next call
+unregisters it: never the finalizer itself, which may run during a CUDA graph capture or under any lock), when the budget needs its room, when the
 budget is lowered (at the next pipelined call), and by :func:`unregister_all` (which ``destroy_process_group()`` of
 every group and ``release_buffers()`` call). Before memory is unregistered, the host waits for events recorded on
 the streams that staging copies on (:func:`_groups.copy_streams`), which follow every copy queued so far: never
@@ -43,7 +43,7 @@ _lock = threading.Lock()  # around the tables; never held while the device is sy
 _registered: collections.OrderedDict[int, tuple[weakref.ref, int]] = collections.OrderedDict()
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages staged once, not registered
 _failed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages whose registration failed
-_evicted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages unregistered for room: never again
+_evicted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # unregistered for room: again only into free room
 _log = logging.getLogger("offload_shim")
 _logged_failure = False
 # Pointers of registered storages since freed, queued by their finalizer (which may run anywhere: inside a CUDA graph
