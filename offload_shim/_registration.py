@@ -11,9 +11,9 @@ ranks. The least recently staged ones are unregistered to make room, and a stora
 again only into free room (storages reused in turn beyond the budget would otherwise be registered and unregistered
 at every call); one larger than the budget never is. A storage is unregistered once it is freed (a finalizer on
 torch's storage object, which lives exactly as long as the storage, queues it, and the module's next call
-unregisters it: never the finalizer itself, which may run during a CUDA graph capture or under any lock), when the budget needs its room, when the
-budget is lowered (at the next pipelined call), and by :func:`unregister_all` (which ``destroy_process_group()`` of
-every group and ``release_buffers()`` call). Before memory is unregistered, the host waits for events recorded on
+unregisters it: never the finalizer itself, which may run during a CUDA graph capture or under any lock), when
+the budget needs its room, when the budget is lowered (at the next pipelined call), and by :func:`unregister_all`
+(which ``destroy_process_group()`` of every group and ``release_buffers()`` call). Before memory is unregistered, the host waits for events recorded on
 the streams that staging copies on (:func:`_groups.copy_streams`), which follow every copy queued so far: never
 for the whole device, never under the module's lock, and never while a stream of this thread captures a CUDA
 graph (the pointers wait for the next call). A registration that fails (the driver's limit, a container's) leaves
