@@ -10,7 +10,6 @@ Each variant's minimum per call over 15 alternating rounds of 200 calls, in micr
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -19,14 +18,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from probe_small_calls import one_rank  # (benchmarks/, the script's folder, is on sys.path)
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    args, device = one_rank()
     caller = torch.ones(())
     nbytes = caller.nbytes
     slot = torch.zeros((), device=device)

@@ -73,13 +73,20 @@ def graph_launcher():
     return launch
 
 
-def main() -> None:
+def one_rank():
+    """``(args, device)``: the probe's arguments (``--out``), and cuda:0, the one rank of a NCCL-only default
+    group made here."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
+    return args, device
+
+
+def main() -> None:
+    args, device = one_rank()
     group = dist.group.WORLD
     offload_shim.install()
     results = {}
