@@ -253,7 +253,6 @@ def configure(**changes) -> Settings:
     Raises:
         ConfigError: an unknown name or a malformed value; nothing is changed then.
     """
-    global _settings
     known = {f.name for f in dataclasses.fields(Settings)}
     unknown = sorted(set(changes) - known)
     if unknown:
@@ -276,9 +275,15 @@ def configure(**changes) -> Settings:
                 f"{name}={changes[name]!r} is not a boolean: use True or False "
                 f"({variable} in the environment takes {sorted(_TRUE)} or {sorted(_FALSE)})"
             )
+    return _replace(lambda previous: dataclasses.replace(previous, **changes))
+
+
+def _replace(make) -> Settings:
+    """Put ``make(settings in force)`` in force, and tell the caches of :func:`on_change`; the settings before."""
+    global _settings
     with _lock:
         previous = _settings
-        _settings = dataclasses.replace(previous, **changes)
+        _settings = make(previous)
     for forget in _forgetting:
         forget()
     return previous
@@ -314,9 +319,5 @@ def inert_settings(current: Settings, accelerator_available: bool) -> list[str]:
 
 def load_environment() -> None:
     """Replace the settings with those the environment gives. Raises :class:`ConfigError`."""
-    global _settings
     new = settings_from_environment()
-    with _lock:
-        _settings = new
-    for forget in _forgetting:
-        forget()
+    _replace(lambda _: new)
