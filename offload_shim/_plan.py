@@ -38,6 +38,7 @@ from offload_shim._devices import StagingError
 from offload_shim._table import ELEMENTWISE, GATHER, READ, Collective
 
 _log = logging.getLogger("offload_shim")
+_world = dist.distributed_c10d._world  # its default_pg: the default group, as torch reads it
 
 # Families: how an entry is called on staged tensors (the wrapper that binds the call says which).
 C10D, OPS, FUNCTIONAL = "c10d", "ops", "functional"
@@ -155,12 +156,12 @@ class Plan:
 # reference to the group, the settings then, the device). Calls on that group under those settings need not
 # resolve the device again: a small staged call costs little more than its decision.
 _last_device: tuple = (lambda: None, None, None)
-# The served path's answers for host tensors, by id(group): (weak reference to the group, the settings then, the
-# group's state and the ranks' agreement then, the shared size in bytes from which a host-only chunkable call is
-# routed: ``math.inf``, never; 0: every call is decided). A group that one backend serves entirely keeps ``None``
-# for state and agreement (nothing to agree on), and every size; a group with a CPU and an accelerator backend gets
-# its answer from its last decided host call (:func:`_on_host_group`); any other group, none. See
-# :func:`host_call_served`.
+# The served path's answers for host tensors, by id(group): (weak reference to the group, the group's state and the
+# ranks' agreement then, the shared size in bytes from which a host-only chunkable call is routed: ``math.inf``,
+# never; 0: every call is decided). A group that one backend serves entirely keeps ``None`` for state and agreement
+# (nothing to agree on), and every size; a group with a CPU and an accelerator backend gets its answer from its last
+# decided host call (:func:`_on_host_group`); any other group, none. Every configure() empties it. See
+# :func:`host_call_group`.
 _host_answers: dict[int, tuple] = {}
 _config.on_change(_host_answers.clear)  # the answers hold under the settings they were found under
 
@@ -237,27 +238,41 @@ def _decide(call: Call, group) -> Plan | None:
     return _stage(call, device, _counters.STAGED, settings, host, tensors)
 
 
-def host_call_served(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
-    """Whether a chunkable call of the single host ``tensor`` on ``group`` goes to torch untouched, under the
-    settings in force: one backend serves everything the group serves (a plain Gloo group) and nothing forces
-    staging; or, on a group with a CPU and an accelerator backend, its last host-only call was decided under the
-    same settings and the same agreement of its ranks, and this call is smaller than the size the agreed threshold
-    routes from (the ranks have agreed first, so a rank whose settings differ still fails at the first call, as
-    every rank does). The served path's question for host tensors: a dict lookup and a few reads. ``False``:
-    decide, as for any call."""
+def host_call_group(given, tensor: torch.Tensor) -> dist.ProcessGroup | None:
+    """The process group of a chunkable ``torch.distributed`` call of the single host ``tensor`` on ``given`` (the
+    group argument as the caller gave it: ``None`` for the default group), where the call needs a decision;
+    ``None`` where it goes to torch untouched under the settings in force: there is no process group (torch raises
+    or returns without communicating), or one backend serves everything the group serves (a plain Gloo group) and
+    nothing forces staging, or, on a group with a CPU and an accelerator backend, the group's last host-only call
+    was decided under the same settings and the same agreement of its ranks and this call is smaller than the size
+    the agreed threshold routes from (the ranks have agreed first, so a rank whose settings differ still fails at
+    the first call, as every rank does). The served path's question for host tensors: a dict lookup and a few
+    reads."""
+    group = given if given is not None else _world.default_pg
     entry = _host_answers.get(id(group))  # (emptied by every configure())
-    if entry is not None and entry[0]() is group:
-        _, _, state, agreement, below = entry
-        # (numel * element_size, not nbytes: that raises for a sparse tensor, which the decision leaves to torch)
-        return (state is None or state.agreement is agreement) and tensor.numel() * tensor.element_size() < below
+    if entry is not None:
+        reference, state, agreement, below = entry
+        if reference() is group:
+            if state is None or state.agreement is agreement:
+                try:
+                    nbytes = tensor.nbytes
+                except Exception:  # (a sparse tensor's nbytes raises; the decision leaves it to torch)
+                    nbytes = tensor.numel() * tensor.element_size()
+                if nbytes < below:
+                    return None
+            return group
+    group = _devices.resolve_c10d_group(given)
+    if group is None:
+        return None
     settings = _config.settings()
     served = _devices.host_calls_served(group)
     # Served: every size; otherwise none, until a decision on a group with a CPU backend says which (_on_host_group).
     _remember(group, settings, None, None, math.inf if served else 0)
-    return served
+    return None if served else group
 
 
 def _remember(group, settings, state, agreement, below) -> None:
+    """Keep the served path's answer for ``group``, found under ``settings``, unless those are no longer in force."""
     try:
         reference = weakref.ref(group)
     except TypeError:  # a group type without weak references: not remembered
@@ -266,7 +281,7 @@ def _remember(group, settings, state, agreement, below) -> None:
         return
     if len(_host_answers) >= 64:  # (groups destroyed and made again: ids reused, references dead)
         _host_answers.clear()
-    _host_answers[id(group)] = (reference, settings, state, agreement, below)
+    _host_answers[id(group)] = (reference, state, agreement, below)
 
 
 def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Plan | None:

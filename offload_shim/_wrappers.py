@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 
 import torch
@@ -30,6 +29,7 @@ C10D_MODULE = "torch.distributed.distributed_c10d"
 ALIASES = ("torch.distributed",)  # where the c10d functions are public under the same names
 
 _log = logging.getLogger("offload_shim")
+Tensor = torch.Tensor  # (read on every call: one global lookup)
 
 
 class _C10dCaller:
@@ -125,7 +125,7 @@ def c10d_wrapper(entry: _table.Collective):
             def in_place(wrapped, instance, args, kwargs):
                 # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
                 tensor = args[at] if len(args) > at else kwargs.get("tensor")
-                if not isinstance(tensor, torch.Tensor):
+                if not isinstance(tensor, Tensor):
                     return wrapped(*args, **kwargs)
                 if not tensor.is_cpu:  # an accelerator's tensor: through the host where the group has no backend
                     try:  # torch first (_devices.torch_first, inline): it refuses before any wire
@@ -138,8 +138,8 @@ def c10d_wrapper(entry: _table.Collective):
                     if group is None:
                         raise refused
                     return stage(wrapped, args, kwargs, group, refused)
-                group = _devices.resolve_c10d_group(args[group_at] if len(args) > group_at else kwargs.get("group"))
-                if group is None or _plan.host_call_served(group, tensor):
+                group = _plan.host_call_group(args[group_at] if len(args) > group_at else kwargs.get("group"), tensor)
+                if group is None:  # no group (torch raises), or one that serves the call
                     return wrapped(*args, **kwargs)
                 # A small call captured before, replayed without deciding again while what decided it holds (_replay).
                 if _replay._captures and _replay.replayed(tensor, group, label, wrapped, args, kwargs, at):
@@ -153,22 +153,25 @@ def c10d_wrapper(entry: _table.Collective):
             return in_place
 
         positions = [(a.name, parameters.position(a.name)) for a in entry.args]
+        # Collectives of single tensors only, given first (all_gather_into_tensor, reduce_scatter_tensor, ...): where
+        # torch's own tensors, none on the host, are all given by position, torch first without the general pass.
+        shortest = lazy and all(a.form == _table.TENSOR for a in entry.args) and [
+            at for _, at in positions] == list(range(len(positions)))
+        count = len(positions)
 
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: one pass over its tensor arguments decides most calls that need no staging.
             if callers and _called_from(callers):  # by torch's call of another wrapped collective: undecided
                 return wrapped(*args, **kwargs)
-            host, kind, accelerator = False, None, None  # (a tensor's device type is read only where needed)
-            for name, at in positions:
-                value = args[at] if len(args) > at else kwargs.get(name)
-                if isinstance(value, torch.Tensor):
-                    if value.is_cpu:
-                        host = True
-                    elif accelerator is None:
-                        accelerator = value
-                elif isinstance(value, (list, tuple)):
-                    found_host, found_kind = _devices_of(value)
-                    host, kind = host or found_host, kind or found_kind
+            if shortest and len(args) >= count:
+                for value in args[:count]:
+                    if value.__class__ is not Tensor or value.is_cpu:  # (a subclass, a host tensor, anything else)
+                        host, kind, accelerator = _tensor_devices(args, kwargs, positions)
+                        break
+                else:  # torch's own tensors, none on the host
+                    host, kind, accelerator = False, None, args[0]
+            else:
+                host, kind, accelerator = _tensor_devices(args, kwargs, positions)
             refused = None
             if not host:
                 if kind is None and accelerator is None:
@@ -202,12 +205,46 @@ def c10d_wrapper(entry: _table.Collective):
 
 def _called_from(callers: frozenset) -> bool:
     """Whether the wrapper's caller (its wrapt ``FunctionWrapper``'s caller) runs one of ``callers``' code."""
-    frame = sys._getframe(2)  # (1: the wrapper itself, called by wrapt's C code, which adds no frame)
-    return frame.f_code in callers or (frame.f_code.co_filename.startswith(_WRAPT) and frame.f_back is not None
-                                        and frame.f_back.f_code in callers)  # (wrapt without its C extension)
+    return sys._getframe(_CALLER).f_code in callers
 
 
-_WRAPT = os.path.dirname(os.path.abspath(wrapt.__file__))
+def _caller_depth() -> int:
+    """How many frames above :func:`_called_from` a wrapped function's caller is: 2 (``_called_from``, the wrapper)
+    where wrapt's C extension calls the wrapper, which adds no frame; one more where wrapt runs in Python."""
+    seen = []
+
+    def spy(wrapped, instance, args, kwargs):
+        seen.append(sys._getframe(1).f_code)
+        return wrapped(*args, **kwargs)
+
+    probe = wrapt.FunctionWrapper(lambda: None, spy)
+
+    def caller():
+        probe()
+
+    caller()
+    return 2 if seen[0] is caller.__code__ else 3
+
+
+_CALLER = _caller_depth()
+
+
+def _tensor_devices(args: tuple, kwargs: dict, positions) -> tuple[bool, str | None, torch.Tensor | None]:
+    """Of a call's tensor arguments (``positions``: their names and positions): whether one is on the host, the
+    device type of the first tensor not on the host in a list (``None`` if none), and the first tensor argument not
+    on the host (``None`` if none)."""
+    host, kind, accelerator = False, None, None  # (a tensor's device type is read only where needed)
+    for name, at in positions:
+        value = args[at] if len(args) > at else kwargs.get(name)
+        if isinstance(value, Tensor):
+            if value.is_cpu:
+                host = True
+            elif accelerator is None:
+                accelerator = value
+        elif isinstance(value, (list, tuple)):
+            found_host, found_kind = _devices_of(value)
+            host, kind = host or found_host, kind or found_kind
+    return host, kind, accelerator
 
 
 def _devices_of(values) -> tuple[bool, str | None]:

@@ -5,6 +5,9 @@ spellings, lifetimes and the places where torch defers or reorders work."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -247,3 +250,35 @@ def test_the_collectives_that_call_others_are_read_from_torchs_code():
     assert {name: found.get(name) for name in nested} == nested, found
     assert all(name in point_to_point and callers <= point_to_point
                for name, callers in found.items() if name not in nested), found
+
+@pytest.mark.parametrize("wrapt_kind", ["C extension", "pure Python"])
+def test_the_caller_of_a_wrapped_function_is_found_with_either_wrapt(wrapt_kind):
+    """The nested-call check finds the frame of the wrapped function's caller, whether wrapt's C extension calls the
+    wrapper (no frame of its own) or its pure-Python implementation does (one frame more)."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent("""
+        import wrapt
+        from offload_shim import _wrappers
+
+        def wrapper(wrapped, instance, args, kwargs):
+            return _wrappers._called_from(frozenset({outer.__code__}))
+
+        inner = wrapt.FunctionWrapper(lambda: None, wrapper)
+
+        def outer():
+            return inner()
+
+        def elsewhere():
+            return inner()
+
+        print(_wrappers._CALLER, outer(), elsewhere(), type(inner).__module__)
+    """)
+    env = dict(os.environ)
+    if wrapt_kind == "pure Python":
+        env["WRAPT_DISABLE_EXTENSIONS"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    depth, from_outer, from_elsewhere, _ = out.stdout.split()
+    assert (depth, from_outer, from_elsewhere) == ("2" if wrapt_kind == "C extension" else "3", "True", "False"), out.stdout
