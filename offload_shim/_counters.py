@@ -13,13 +13,15 @@ Every staged call but a replayed one (below) reports here from two places, in on
 * its end, :func:`count`: each family's wrapper, in a ``finally`` around its staged branch, with the call's name,
   mode and bytes. It adds the call to the counters and logs the call site's first staged call.
 
-A small call replayed from a captured CUDA graph (``_replay.replayed``) reports once, at its end
-(:func:`count_replayed`): its key's first calls, which made the capture, passed both.
+A small call replayed from a captured CUDA graph (``_replay.replayed``) adds itself, at its end, to its capture's
+own counter (:func:`tally`), which only its thread writes, so without the lock: its key's first calls, which made
+the capture, passed both.
 
 No other decision comes between the two in a thread: a collective called from inside a staged call is not
 staged (``_staging.in_staged_call``), so it never reaches :func:`decided`. Calls that need no staging pass neither.
 
-Per staged call: two ``perf_counter`` readings, a thread-local write and read, and a dict update under a lock.
+Per staged call: two ``perf_counter`` readings, a thread-local write and read, and a dict update under a lock;
+per replayed call, two readings and two additions.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class StagingCount(NamedTuple):
 _lock = globals().get("_lock") or threading.Lock()  # state kept across importlib.reload
 _table: dict[tuple[str, str, str], list] = globals().get("_table", {})  # [calls, bytes, seconds] by key
 _sites: set[tuple[str, str]] = globals().get("_sites", set())  # (call site, collective) logged
+# (key, bytes per call, [calls, seconds] added to by one thread, [calls, seconds] at the last reset): see tally()
+_tallies: list[tuple] = globals().get("_tallies", [])
 _summary_registered = globals().get("_summary_registered", False)
 _log = logging.getLogger("offload_shim")
 
@@ -125,16 +129,40 @@ def count(op: str, mode: str, nbytes: int) -> None:
         )
 
 
-def count_replayed(op: str, route: str, nbytes: int, start: float) -> None:
-    """A small call replayed without a decision of its own (``_replay.replayed``: its key's first calls were
-    decided, counted and logged) returned or raised: count it under ``op``, ``route`` and mode :data:`REPLAYED`,
-    with ``nbytes`` and the seconds since ``start`` (a ``perf_counter()`` reading)."""
-    end = perf_counter()
-    _lock.acquire()
-    try:
-        _add((op, route, REPLAYED), nbytes, end - start)
-    finally:
-        _lock.release()
+def tally(op: str, route: str, mode: str, nbytes: int) -> list:
+    """A counter of calls of ``op`` under ``route`` and ``mode``, each of ``nbytes``, that one thread alone adds to,
+    without the lock: ``[calls, seconds]``, where its thread adds 1 and a call's seconds (``perf_counter`` readings)
+    for each call, returned or raised; :func:`staging_counters` adds it in. A replayed small call's
+    (``_replay.replayed``, whose capture belongs to one thread; its key's first calls were decided, counted and
+    logged); :func:`fold` it when it is dropped."""
+    counts = [0, 0.0]
+    with _lock:
+        _tallies.append(((op, route, mode), nbytes, counts, [0, 0.0]))
+    return counts
+
+
+def fold(counts: list) -> None:
+    """Add the calls of tally ``counts`` (:func:`tally`) not yet reset into the counters, and stop reading it."""
+    with _lock:
+        for at, entry in enumerate(_tallies):
+            if entry[2] is counts:
+                del _tallies[at]
+                _add_tally(_table, entry, clear=False)
+                return
+
+
+def _add_tally(table: dict, entry, clear: bool) -> None:  # under _lock
+    key, nbytes, counts, base = entry
+    calls, seconds = counts[0], counts[1]  # (its thread adds to calls first)
+    if calls != base[0]:
+        total = table.get(key)
+        if total is None:
+            total = table[key] = [0, 0, 0.0]
+        total[0] += calls - base[0]
+        total[1] += (calls - base[0]) * nbytes
+        total[2] += seconds - base[1]
+    if clear:
+        base[0], base[1] = calls, seconds
 
 
 def _add(key: tuple[str, str, str], nbytes: int, seconds: float) -> None:  # under _lock
@@ -230,7 +258,10 @@ def reset_staging_counters() -> Mapping[StagingKey, StagingCount]:
 def _snapshot(clear: bool) -> Mapping[StagingKey, StagingCount]:
     """The counters as a read-only mapping sorted by key, taken (and, with ``clear``, emptied) under the lock."""
     with _lock:
-        items = [(key, tuple(value)) for key, value in sorted(_table.items())]
+        table = {key: list(value) for key, value in _table.items()}
+        for entry in _tallies:
+            _add_tally(table, entry, clear)
+        items = [(key, tuple(value)) for key, value in sorted(table.items())]
         if clear:
             _table.clear()
     return types.MappingProxyType({StagingKey(*key): StagingCount(*value) for key, value in items})

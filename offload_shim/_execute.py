@@ -163,7 +163,7 @@ def _small(plan: Plan, caller) -> tuple[bool, object]:
 
     if plan.device.type == "cuda":  # replayed from a CUDA graph where the group and the call allow it
         capture = _replay.capture_for(tensor, plan.device, plan.call.group, caller.replay_key(), run, reads, writes,
-                                      caller.settings)
+                                      caller.settings, (plan.call.entry.label, plan.route))
         if capture is not None:
             _replay.replay(capture, tensor)
             return True, None

@@ -12,8 +12,11 @@ launched through torch. Results are the collective's bytes, as on the slot path;
 broadcast's source, a reduce's other ranks) returns once the caller's bytes are copied, without waiting for the
 collective.
 
-A key is the thread, the process group, the tensor's type, dtype and shape, and the call's other arguments as given,
-with their types. A call whose key was captured replays before the shim decides anything (:func:`replayed`, the
+A key is the thread, the process group, the tensor's type, dtype and size in bytes (an elementwise collective of a
+contiguous tensor moves the same bytes whatever its shape), and the call's other arguments as given, with their
+types. A later call whose other arguments are the very objects of a replayed call's finds the capture by their
+identity, without hashing their values (a ``ReduceOp``'s hash alone costs more than the rest of the lookup). A call
+whose key was captured replays before the shim decides anything (:func:`replayed`, the
 wrapper's first step after it finds the group does not serve the host): the decision is taken again only where
 something it depended on may have changed (the settings, the current device, a staged call around it, a coalescing
 manager, a stream capture, INFO logging of first calls), and then the call replays from the same capture if the
@@ -54,9 +57,9 @@ _SEEN_LIMIT = 4096  # keys counted before the count starts over
 
 class _Capture:
     __slots__ = ("group", "index", "settings", "reads", "writes", "graph", "host_in", "host_out", "slot", "nbytes",
-                 "in_address", "out_address", "done", "pending", "stream")
+                 "in_address", "out_address", "done", "pending", "stream", "raw", "counts")
 
-    def __init__(self, group, device, graph, host_in, host_out, slot, reads: bool, writes: bool, settings):
+    def __init__(self, group, device, graph, host_in, host_out, slot, reads: bool, writes: bool, settings, counts):
         self.group, self.index = group, _index(device)
         self.settings = settings  # those under which the decision to replay was last made
         self.reads, self.writes = reads, writes
@@ -66,7 +69,8 @@ class _Capture:
         self.in_address, self.out_address = host_in.data_ptr(), host_out.data_ptr()
         self.done = torch.cuda.Event()
         self.pending = False  # ``done`` marks a replay that nobody waited for: it may still read host_in
-        self.stream = None  # where it was last replayed
+        self.stream, self.raw = None, None  # where it was last replayed, and that stream's raw pointer
+        self.counts = counts  # its replays without a decision (_counters.tally): this thread's alone
 
 
 # Captures by key (:func:`_key`); None where a key cannot be captured. A key names no device: a capture holds the
@@ -74,6 +78,9 @@ class _Capture:
 _lock = threading.Lock()  # around changes to the tables; lookups are single dict reads
 _captures: dict[tuple, _Capture | None] = globals().get("_captures", {})
 _seen: dict[tuple, int] = globals().get("_seen", {})  # key -> calls so far, until captured
+# The captures found by the identity of a call's arguments (:func:`replayed`): (capture, the objects whose ids the
+# key holds, kept alive so that no other object takes an id). A cache of _captures: emptied whenever one is dropped.
+_by_identity: dict[tuple, tuple] = globals().get("_by_identity", {})
 _nccl_groups: dict[int, tuple[object, bool]] = globals().get("_nccl_groups", {})  # id(group) -> (group, NCCL?)
 _retired: list = globals().get("_retired", [])  # (event, capture): dropped, kept until their last replay is done
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, raw stream) -> its Stream object
@@ -83,6 +90,12 @@ _world = dist.distributed_c10d._world
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 _query = getattr(getattr(torch._C, "_CudaStreamBase", None), "query", None) or torch.cuda.Stream.query
+_graph_replay = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None) or torch.cuda.CUDAGraph.replay
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_query_event = getattr(getattr(torch._C, "_CudaEventBase", None), "query", None) or torch.cuda.Event.query
+_get_ident = threading.get_ident
+_INFO = logging.INFO
+_NONE: dict = {}
 _log = logging.getLogger("offload_shim")
 
 
@@ -98,7 +111,8 @@ def call_key(function, args: tuple, kwargs: dict, at: int = 0) -> tuple:
 
 
 def _key(tensor: torch.Tensor, group, call: tuple) -> tuple:
-    return threading.get_ident(), group, type(tensor), tensor.dtype, tensor.shape, call
+    # (The size in bytes, not the shape: an elementwise collective of a contiguous tensor moves the same bytes.)
+    return _get_ident(), group, type(tensor), tensor.dtype, tensor.nbytes, call
 
 
 def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, op: str, function, args: tuple, kwargs: dict,
@@ -110,7 +124,8 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, op: str, function, 
     it, no coalescing manager on the group, no stream capture, no INFO logging of first calls. Returns ``False``,
     having done nothing, otherwise: the caller then decides as for any call. ``True`` once ``tensor`` holds the
     result (for a call that only reads: once its bytes are copied). The first check of every call on a group that
-    does not serve the host: kept to a dict lookup and a few reads.
+    does not serve the host: a call whose other arguments are the same objects as a replayed call's finds its
+    capture by their identity (:data:`_by_identity`), without hashing their values.
 
     Raises:
         torch.distributed.DistBackendError: the replay, or the one before it that nobody waited for, did not finish
@@ -118,24 +133,32 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, op: str, function, 
     """
     if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_conj() or tensor.is_neg():
         return False
-    if len(args) > at:  # call_key(), inline
-        rest = args[:at] + args[at + 1 :]
-        call = function, rest, tuple(kwargs.items()), rest and tuple(map(type, rest)), tuple(map(type, kwargs.values()))
+    if len(args) > at:
+        rest = args[1:] if at == 0 else args[:at] + args[at + 1 :]
+        identity = (_get_ident(), function, type(tensor), tensor.dtype, tensor.nbytes, *map(id, rest), *kwargs,
+                    *map(id, kwargs.values()))
+        found = _by_identity.get(identity)
+        if found is not None:
+            capture = found[0]
+        else:
+            call = function, rest, tuple(kwargs.items()), rest and tuple(map(type, rest)), tuple(map(type, kwargs.values()))
+            capture = _found(tensor, group, call)
+            if capture is not None:
+                if len(_by_identity) >= _SEEN_LIMIT:
+                    _by_identity.clear()
+                _by_identity[identity] = (capture, rest, tuple(kwargs.values()))
     else:
-        call = call_key(function, args, kwargs, at)
-    try:  # _key(), inline
-        capture = _captures.get((threading.get_ident(), group, type(tensor), tensor.dtype, tensor.shape, call))
-    except TypeError:  # an argument that cannot be a key
-        return False
+        capture = _found(tensor, group, call_key(function, args, kwargs, at))
     if (
         capture is None
+        or capture.group is not group
         or capture.settings is not _config.settings()
         or not tensor.is_contiguous()
         or _staging._calls.depth
         or _current_device() != capture.index
         or _capturing()
-        or group in getattr(_world, "pg_coalesce_state", ())
-        or _log.isEnabledFor(logging.INFO)
+        or group in getattr(_world, "pg_coalesce_state", _NONE)  # (torch's _coalescing_manager records calls)
+        or _log.isEnabledFor(_INFO)
     ):
         return False
     address = tensor.data_ptr()
@@ -145,8 +168,17 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, op: str, function, 
     try:
         replay(capture, tensor, address)
     finally:
-        _counters.count_replayed(op, _counters.STAGED, capture.nbytes, start)
+        counts = capture.counts
+        counts[0] += 1
+        counts[1] += perf_counter() - start
     return True
+
+
+def _found(tensor: torch.Tensor, group, call: tuple) -> _Capture | None:
+    try:
+        return _captures.get(_key(tensor, group, call))
+    except TypeError:  # an argument that cannot be a key
+        return None
 
 
 def _replayable(group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -167,13 +199,13 @@ def _premul_sum(call: tuple) -> bool:
 
 
 def capture_for(tensor: torch.Tensor, device: torch.device, group: dist.ProcessGroup, call: tuple, run,
-                reads: bool, writes: bool, settings) -> _Capture | None:
+                reads: bool, writes: bool, settings, counted: tuple[str, str]) -> _Capture | None:
     """The capture to replay for a small synchronous in-place collective on host ``tensor``, decided under
     ``settings`` to be staged through ``device``; made at the key's second call; ``None`` where the call is not
     replayed (the caller then takes the slot path). ``call``: :func:`call_key` of the call; ``run(staged)`` runs it
     on a device tensor of ``tensor``'s shape and dtype, as for ``_staging.stage_small_in_place``; ``reads`` and
-    ``writes``: whether the collective reads and writes this rank's tensor. Later calls of the key replay through
-    :func:`replayed` before any decision."""
+    ``writes``: whether the collective reads and writes this rank's tensor; ``counted``: the op and route its
+    replays are counted under. Later calls of the key replay through :func:`replayed` before any decision."""
     if (
         tensor.nbytes > MAX_BYTES
         or not tensor.is_contiguous()
@@ -199,7 +231,7 @@ def capture_for(tensor: torch.Tensor, device: torch.device, group: dist.ProcessG
                 _seen[key] = seen
                 return None
             _seen.pop(key, None)
-        capture = None if _premul_sum(call) else _capture(group, tensor, device, run, reads, writes, settings)
+        capture = None if _premul_sum(call) else _capture(group, tensor, device, run, reads, writes, settings, counted)
         with _lock:
             _captures[key] = capture
     if capture is None or capture.index != _index(device):  # (a group used from two devices: the slot path)
@@ -220,22 +252,27 @@ def replay(capture: _Capture, tensor: torch.Tensor, address: int | None = None) 
     if _staging._pending:
         _staging.finish_writes_to((tensor,))
     if capture.pending:  # a replay that only read: it may still be reading the pinned input
-        if not capture.done.query():
-            _wait(capture.done, capture.group)
+        if not _query_event(capture.done):
+            _wait(_query_event, capture.done, capture.group)
         capture.pending = False
     if address is None:
         address = tensor.data_ptr()
     if capture.reads:
         ctypes.memmove(capture.in_address, address, capture.nbytes)
-    capture.graph.replay()
-    stream = capture.stream = _current_stream(capture.index)
+    _graph_replay(capture.graph)
+    raw = _raw_stream(capture.index)
+    if raw == capture.raw:
+        stream = capture.stream
+    else:  # (another current stream than at its last replay)
+        stream, capture.raw = _current_stream(capture.index), raw
+        capture.stream = stream
     if not capture.writes:
         capture.done.record(stream)
         capture.pending = True
         return
     try:
         if not _query(stream):
-            _wait(stream, capture.group)
+            _wait(_query, stream, capture.group)
     except BaseException:
         capture.done.record(stream)  # the next call waits for this replay before reusing the buffers
         capture.pending = True
@@ -250,7 +287,7 @@ def _index(device: torch.device) -> int:
 def _current_stream(index: int) -> torch.cuda.Stream:
     """The current stream of device ``index``: its Stream object made once per stream (``current_stream`` makes a
     new one per call, and costs more than the rest of a replay's bookkeeping)."""
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    key = (index, _raw_stream(index))
     stream = _streams.get(key)
     if stream is None:
         if len(_streams) >= 64:
@@ -259,8 +296,8 @@ def _current_stream(index: int) -> torch.cuda.Stream:
     return stream
 
 
-def _capture(group, tensor: torch.Tensor, device: torch.device, run, reads: bool, writes: bool,
-             settings) -> _Capture | None:
+def _capture(group, tensor: torch.Tensor, device: torch.device, run, reads: bool, writes: bool, settings,
+             counted: tuple[str, str]) -> _Capture | None:
     """The graph of the staged call (H2D from a pinned buffer, ``run``, D2H into a pinned buffer), captured on a
     side stream in this thread's capture mode (other threads' work is not disturbed); ``None`` if it cannot be."""
     with torch.inference_mode(False), torch.no_grad():
@@ -284,15 +321,19 @@ def _capture(group, tensor: torch.Tensor, device: torch.device, run, reads: bool
             return None
         finally:
             current.wait_stream(side)
-    return _Capture(group, device, graph, host_in, host_out, slot, reads, writes, settings) if result is None else None
+    if result is not None:
+        return None
+    counts = _counters.tally(*counted, _counters.REPLAYED, tensor.nbytes)
+    return _Capture(group, device, graph, host_in, host_out, slot, reads, writes, settings, counts)
 
 
-def _wait(work, group) -> None:
-    """Wait for ``work`` (a stream or an event): by polling (a replay of a few bytes finishes in microseconds),
-    sleeping between polls after the first millisecond, and giving up after the group's timeout."""
+def _wait(query, work, group) -> None:
+    """Wait for ``work`` (a stream or an event, ``query`` its class's own query function, without the Python frame of
+    its public one): by polling (a replay of a few bytes finishes in microseconds), sleeping between polls after
+    the first millisecond, and giving up after the group's timeout."""
     start = time.monotonic()
     timeout = None
-    while not work.query():
+    while not query(work):
         waited = time.monotonic() - start
         if waited > 1e-3:
             if timeout is None:
@@ -344,8 +385,12 @@ def _forget_threads_gone() -> None:  # under _lock
 
 
 def _retire(dropped) -> None:  # under _lock
+    _by_identity.clear()
     for capture in dropped:
-        if capture is not None and capture.stream is not None:
+        if capture is None:
+            continue
+        _counters.fold(capture.counts)
+        if capture.stream is not None:
             _retired.append((capture.stream.record_event(), capture))
     _retired[:] = [(event, capture) for event, capture in _retired if not event.query()]
 

@@ -257,3 +257,58 @@ def test_summary_at_exit_on_rank_0_only(monkeypatch, capsys):
         with configured(summary_at_exit=summary_at_exit):
             _counters._summary_at_exit()
         assert capsys.readouterr().err == "".join(line + "\n" for line in expected), (rank, table, summary_at_exit)
+
+
+def test_lock_free_tallies_lose_no_call():
+    """Counters that one thread each adds to without the lock (a replayed small call's, whose capture belongs to
+    one thread): with four threads adding while another resets the counters again and again, the resets and the
+    last reading count every call once, bytes and seconds included; a folded tally stays counted."""
+    import threading
+
+    offload_shim.reset_staging_counters()
+    op, calls, threads = "test.tally", 50000, 4
+    tallies = [_counters.tally(op, _counters.STAGED, _counters.REPLAYED, 8) for _ in range(threads)]
+    done = threading.Event()
+
+    def add(counts):
+        for _ in range(calls):
+            counts[0] += 1
+            counts[1] += 0.5
+
+    def ours(counters):
+        return [count for key, count in counters.items() if key.op == op]
+
+    readings = []
+
+    def reset_often():
+        while not done.is_set():
+            readings.extend(ours(offload_shim.reset_staging_counters()))
+
+    resetter = threading.Thread(target=reset_often)
+    workers = [threading.Thread(target=add, args=(counts,)) for counts in tallies]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes: a lost update would show
+    try:
+        resetter.start()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        done.set()
+        resetter.join()
+        sys.setswitchinterval(interval)
+    tallies[0][0] += 3  # three more calls, then dropped (as a retired capture's tally): they stay counted
+    tallies[0][1] += 1.5
+    _counters.fold(tallies[0])
+    tallies[0][0] += 1  # (no longer read)
+    readings.extend(ours(offload_shim.staging_counters()))
+    total = calls * threads + 3
+    assert sum(r.calls for r in readings) == total, readings
+    assert sum(r.bytes for r in readings) == 8 * total
+    assert sum(r.seconds for r in readings) == 0.5 * total
+    assert len(readings) > 1  # (the resets ran beside the adding threads)
+    offload_shim.reset_staging_counters()
+    for counts in tallies[1:]:
+        _counters.fold(counts)
+    assert ours(offload_shim.staging_counters()) == []

@@ -456,6 +456,38 @@ def _check_replay_decided_again(device):
     assert _modes("all_reduce") == {"small": 7}, _modes("all_reduce")
     with pytest.raises(TypeError):
         dist.all_reduce(value, op=0)  # equal to ReduceOp.SUM
+    # A call whose other arguments are the very objects of a replayed call's finds its capture by their identity:
+    # each reduce op keeps a capture of its own; the group given by position (where the op goes) is another call,
+    # refused as torch refuses it; shapes of one size in bytes share a capture (the same bytes move).
+    from offload_shim import _replay
+
+    before = _replay.captures()
+    offload_shim.reset_staging_counters()
+    flags = torch.tensor([2, 7], dtype=torch.int32)
+    for _ in range(3):
+        for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT):
+            dist.all_reduce(flags, op=op)
+            assert flags.tolist() == [2, 7], (op, flags)
+    assert _replay.captures() == before + 3 and _modes("all_reduce") == {"small": 3, "replayed": 6}, (
+        _replay.captures() - before, _modes("all_reduce"))
+    world = dist.group.WORLD
+    for _ in range(3):
+        dist.all_reduce(flags, group=world)
+    with pytest.raises(Exception) as theirs:
+        dist.all_reduce(flags.to(device), world)
+    for _ in range(3):
+        with pytest.raises(type(theirs.value)):
+            dist.all_reduce(flags, world)
+    assert flags.tolist() == [2, 7]
+    offload_shim.reset_staging_counters()
+    before = _replay.captures()
+    for shape in ((2, 3), (3, 2), (6,)):
+        values = torch.arange(6, dtype=torch.float32).reshape(shape)
+        for _ in range(3):
+            dist.all_reduce(values)
+            assert values.shape == shape and values.flatten().tolist() == list(range(6)), values
+    assert _replay.captures() == before + 1 and _modes("all_reduce") == {"small": 1, "replayed": 8}, (
+        _replay.captures() - before, _modes("all_reduce"))
 
 
 def test_small_calls_replayed(nccl_rank):
