@@ -70,7 +70,9 @@ _states: weakref.WeakKeyDictionary = globals().get("_states", weakref.WeakKeyDic
 _states_lock = globals().get("_states_lock") or threading.Lock()
 
 
-def _state(group: dist.ProcessGroup) -> _State:
+def state_of(group: dist.ProcessGroup) -> _State:
+    """What the shim keeps for ``group`` (made at its first use); its ``agreement`` is the ranks' agreement in force
+    (replaced, not changed, when the ranks agree again)."""
     state = _states.get(group)
     if state is None:
         with _states_lock:
@@ -78,12 +80,6 @@ def _state(group: dist.ProcessGroup) -> _State:
             if state is None:
                 state = _states[group] = _State()
     return state
-
-
-def state_of(group: dist.ProcessGroup) -> _State:
-    """What the shim keeps for ``group``; its ``agreement`` is the ranks' agreement in force (replaced, not changed,
-    when the ranks agree again)."""
-    return _state(group)
 
 
 def _fingerprint(settings, unable: str | None, can_route: bool) -> tuple:
@@ -112,7 +108,7 @@ def agree(group: dist.ProcessGroup, settings, unable: str | None, collective: st
         StagingError: the ranks' settings differ (the same message on every rank), or a rank did not reach its
             agreement within the group's timeout; before anything of the call was sent.
     """
-    state = _state(group)
+    state = state_of(group)
     agreement = state.agreement
     if agreement.settings is settings and agreement.mine == _fingerprint(settings, unable, can_route):
         return agreement
@@ -296,7 +292,7 @@ def lane(group: dist.ProcessGroup, name: str) -> concurrent.futures.ThreadPoolEx
     """The group's copy lane ``name`` (one thread, made at first use): ``"in"``, host copies into bounce buffers;
     ``"out"``, out of them; ``"done"``, the completion of asynchronous chunked calls. Tasks of one lane run in the
     order submitted; the lanes of two groups never wait for each other."""
-    state = _state(group)
+    state = state_of(group)
     with state.lock:
         executor = state.lanes.get(name)
         if executor is None:

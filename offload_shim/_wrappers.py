@@ -153,25 +153,22 @@ def c10d_wrapper(entry: _table.Collective):
             return in_place
 
         positions = [(a.name, parameters.position(a.name)) for a in entry.args]
-        # Collectives of single tensors only, given first (all_gather_into_tensor, reduce_scatter_tensor, ...): where
-        # torch's own tensors, none on the host, are all given by position, torch first without the general pass.
-        shortest = lazy and all(a.form == _table.TENSOR for a in entry.args) and [
-            at for _, at in positions] == list(range(len(positions)))
-        count = len(positions)
 
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: one pass over its tensor arguments decides most calls that need no staging.
             if callers and _called_from(callers):  # by torch's call of another wrapped collective: undecided
                 return wrapped(*args, **kwargs)
-            if shortest and len(args) >= count:
-                for value in args[:count]:
-                    if value.__class__ is not Tensor or value.is_cpu:  # (a subclass, a host tensor, anything else)
-                        host, kind, accelerator = _tensor_devices(args, kwargs, positions)
-                        break
-                else:  # torch's own tensors, none on the host
-                    host, kind, accelerator = False, None, args[0]
-            else:
-                host, kind, accelerator = _tensor_devices(args, kwargs, positions)
+            host, kind, accelerator = False, None, None  # (a tensor's device type is read only where needed)
+            for name, at in positions:
+                value = args[at] if len(args) > at else kwargs.get(name)
+                if isinstance(value, Tensor):
+                    if value.is_cpu:
+                        host = True
+                    elif accelerator is None:
+                        accelerator = value
+                elif isinstance(value, (list, tuple)):
+                    found_host, found_kind = _devices_of(value)
+                    host, kind = host or found_host, kind or found_kind
             refused = None
             if not host:
                 if kind is None and accelerator is None:
@@ -227,24 +224,6 @@ def _caller_depth() -> int:
 
 
 _CALLER = _caller_depth()
-
-
-def _tensor_devices(args: tuple, kwargs: dict, positions) -> tuple[bool, str | None, torch.Tensor | None]:
-    """Of a call's tensor arguments (``positions``: their names and positions): whether one is on the host, the
-    device type of the first tensor not on the host in a list (``None`` if none), and the first tensor argument not
-    on the host (``None`` if none)."""
-    host, kind, accelerator = False, None, None  # (a tensor's device type is read only where needed)
-    for name, at in positions:
-        value = args[at] if len(args) > at else kwargs.get(name)
-        if isinstance(value, Tensor):
-            if value.is_cpu:
-                host = True
-            elif accelerator is None:
-                accelerator = value
-        elif isinstance(value, (list, tuple)):
-            found_host, found_kind = _devices_of(value)
-            host, kind = host or found_host, kind or found_kind
-    return host, kind, accelerator
 
 
 def _devices_of(values) -> tuple[bool, str | None]:

@@ -782,7 +782,7 @@ def check_threaded_host_copies():
         dist.all_reduce(tensor)
     assert devices == ["cpu"]
     assert same_bits(tensor, expected)
-    return _staging.copy_threads(), bool(_staging._copy_pool), sorted(_groups._state(dist.group.WORLD).lanes)
+    return _staging.copy_threads(), bool(_staging._copy_pool), sorted(_groups.state_of(dist.group.WORLD).lanes)
 
 
 def test_threaded_host_copies(gloo_ranks):
