@@ -253,7 +253,7 @@ def host_call_group(given, tensor: torch.Tensor) -> dist.ProcessGroup | None:
     if entry is not None:
         reference, state, agreement, below = entry
         if reference() is group:
-            if state is None or state.agreement is agreement:
+            if below and (state is None or state.agreement is agreement):  # (below 0: every call is decided)
                 try:
                     nbytes = tensor.nbytes
                 except Exception:  # (a sparse tensor's nbytes raises; the decision leaves it to torch)

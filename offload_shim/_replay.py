@@ -134,9 +134,14 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, op: str, function, 
     if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_conj() or tensor.is_neg():
         return False
     if len(args) > at:
-        rest = args[1:] if at == 0 else args[:at] + args[at + 1 :]
-        identity = (_get_ident(), function, type(tensor), tensor.dtype, tensor.nbytes, *map(id, rest), *kwargs,
-                    *map(id, kwargs.values()))
+        if len(args) == 1:  # (the tensor alone by position, as most calls give it)
+            rest = ()
+            identity = (_get_ident(), function, type(tensor), tensor.dtype, tensor.nbytes, *kwargs,
+                        *map(id, kwargs.values()))
+        else:
+            rest = args[1:] if at == 0 else args[:at] + args[at + 1 :]
+            identity = (_get_ident(), function, type(tensor), tensor.dtype, tensor.nbytes, *map(id, rest), *kwargs,
+                        *map(id, kwargs.values()))
         found = _by_identity.get(identity)
         if found is not None:
             capture = found[0]
