@@ -95,6 +95,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _query_event = getattr(getattr(torch._C, "_CudaEventBase", None), "query", None) or torch.cuda.Event.query
 _get_ident = threading.get_ident
 _INFO = logging.INFO
+_STRIDED = torch.strided
 _NONE: dict = {}
 _log = logging.getLogger("offload_shim")
 
@@ -131,7 +132,7 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, op: str, function, 
         torch.distributed.DistBackendError: the replay, or the one before it that nobody waited for, did not finish
             within the group's timeout; the caller's tensor is unchanged.
     """
-    if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_conj() or tensor.is_neg():
+    if tensor.layout is not _STRIDED or tensor.is_nested or tensor.is_conj() or tensor.is_neg():
         return False
     if len(args) > at:
         if len(args) == 1:  # (the tensor alone by position, as most calls give it)
