@@ -156,13 +156,13 @@ class Plan:
 # reference to the group, the settings then, the device). Calls on that group under those settings need not
 # resolve the device again: a small staged call costs little more than its decision.
 _last_device: tuple = (lambda: None, None, None)
-# The served path's answers for host tensors, by id(group): (weak reference to the group, the group's state and the
-# ranks' agreement then, the shared size in bytes from which a host-only chunkable call is routed: ``math.inf``,
-# never; 0: every call is decided). A group that one backend serves entirely keeps ``None`` for state and agreement
-# (nothing to agree on), and every size; a group with a CPU and an accelerator backend gets its answer from its last
-# decided host call (:func:`_on_host_group`); any other group, none. Every configure() empties it. See
-# :func:`host_call_group`.
-_host_answers: dict[int, tuple] = {}
+# The served path's answers for host tensors, by group (held until the group is destroyed through the shim, or 64
+# groups on): (the group's state and the ranks' agreement then, the shared size in bytes from which a host-only
+# chunkable call is routed: ``math.inf``, never; 0: every call is decided). A group that one backend serves entirely
+# keeps ``None`` for state and agreement (nothing to agree on), and every size; a group with a CPU and an
+# accelerator backend gets its answer from its last decided host call (:func:`_on_host_group`); any other group,
+# none. Every configure() empties it. See :func:`host_call_group`.
+_host_answers: dict = {}
 _config.on_change(_host_answers.clear)  # the answers hold under the settings they were found under
 
 
@@ -249,18 +249,20 @@ def host_call_group(given, tensor: torch.Tensor) -> dist.ProcessGroup | None:
     the first call, as every rank does). The served path's question for host tensors: a dict lookup and a few
     reads."""
     group = given if given is not None else _world.default_pg
-    entry = _host_answers.get(id(group))  # (emptied by every configure())
+    try:
+        entry = _host_answers.get(group)  # (emptied by every configure())
+    except TypeError:  # not a group (torch raises)
+        entry = None
     if entry is not None:
-        reference, state, agreement, below = entry
-        if reference() is group:
-            if below and (state is None or state.agreement is agreement):  # (below 0: every call is decided)
-                try:
-                    nbytes = tensor.nbytes
-                except Exception:  # (a sparse tensor's nbytes raises; the decision leaves it to torch)
-                    nbytes = tensor.numel() * tensor.element_size()
-                if nbytes < below:
-                    return None
-            return group
+        state, agreement, below = entry
+        if below and (state is None or state.agreement is agreement):  # (below 0: every call is decided)
+            try:
+                nbytes = tensor.nbytes
+            except Exception:  # (a sparse tensor's nbytes raises; the decision leaves it to torch)
+                nbytes = tensor.numel() * tensor.element_size()
+            if nbytes < below:
+                return None
+        return group
     group = _devices.resolve_c10d_group(given)
     if group is None:
         return None
@@ -273,15 +275,19 @@ def host_call_group(given, tensor: torch.Tensor) -> dist.ProcessGroup | None:
 
 def _remember(group, settings, state, agreement, below) -> None:
     """Keep the served path's answer for ``group``, found under ``settings``, unless those are no longer in force."""
-    try:
-        reference = weakref.ref(group)
-    except TypeError:  # a group type without weak references: not remembered
-        return
     if settings is not _config.settings():  # configure() ran since the answer was found: it no longer holds
         return
-    if len(_host_answers) >= 64:  # (groups destroyed and made again: ids reused, references dead)
+    if len(_host_answers) >= 64:  # (groups made and dropped without destroy_process_group)
         _host_answers.clear()
-    _host_answers[id(group)] = (reference, state, agreement, below)
+    _host_answers[group] = (state, agreement, below)
+
+
+def forget(group: dist.ProcessGroup | None = None) -> None:
+    """Drop the served path's answer for ``group`` (for every group: ``None``), as ``destroy_process_group`` does."""
+    if group is None:
+        _host_answers.clear()
+    else:
+        _host_answers.pop(group, None)
 
 
 def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Plan | None:

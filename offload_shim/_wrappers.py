@@ -345,7 +345,7 @@ def _p2p_op_init_wrapper(original):
 
 def _releasing_buffers(original):
     """``destroy_process_group(group)`` first drops what the shim keeps for the group (its captured small calls,
-    while its communicator still exists; its agreement, pools and lanes); of every group (``None``, or the default
+    while its communicator still exists; then its agreement, lanes and served-path answer); of every group (``None``, or the default
     group, as torch reads it), it also frees the staging buffers (:func:`offload_shim.release_buffers`): no staged
     call can follow until a group is made again."""
 
@@ -355,6 +355,7 @@ def _releasing_buffers(original):
         _replay.forget(None if every else group)
         result = wrapped(*args, **kwargs)
         _groups.forget(None if every else group)
+        _plan.forget(None if every else group)
         if every:
             _execute.release_buffers()
         return result

@@ -496,6 +496,34 @@ def test_buffers_outlive_no_group(fault_ranks):
         assert growth < 2 * chunk, growth
 
 
+
+def check_destroyed_groups_are_not_kept():
+    """A group the shim has served and staged for (its served-path answer, its agreement and lanes, the last group
+    whose device was resolved) is not kept alive by the shim once destroyed: nothing of it stays behind."""
+    import gc
+    import weakref
+
+    from offload_shim import _plan
+
+    refs = []
+    for backend in ("gloo", "cpu:gloo,cuda:gloo"):
+        group = dist.new_group(backend=backend)
+        with staging_through_cpu(chunk_bytes=64):
+            dist.all_reduce(torch.ones(64), group=group)  # pipelined: agreement, pool, lanes
+        tensor = torch.ones(4)
+        for _ in range(3):  # served: its answer kept (configure() above emptied the answers)
+            dist.all_reduce(tensor, group=group)
+        assert group in _plan._host_answers
+        refs.append(weakref.ref(group))
+        dist.destroy_process_group(group)
+        del group
+    gc.collect()
+    return [ref() is None for ref in refs]
+
+
+def test_destroyed_groups_are_not_kept(fault_ranks):
+    assert fault_ranks.run(check_destroyed_groups_are_not_kept) == [[True, True]] * 2
+
 # ---------------------------------------------------------------- handles used every way torch's are (adversarial trial)
 
 
