@@ -295,7 +295,7 @@ def _summary_at_exit() -> None:
     rank = os.environ.get("RANK", "").strip() or None
     if not _config.settings().summary_at_exit or rank not in ("0", None):
         return
-    if rank is None and not _table:
+    if rank is None and not staging_counters():  # (replays are counted in their tallies, not the table)
         return
     sys.stderr.write(summary(rank=rank) + "\n")
     sys.stderr.flush()

@@ -254,9 +254,18 @@ def test_summary_at_exit_on_rank_0_only(monkeypatch, capsys):
         else:
             monkeypatch.setenv("RANK", rank)
         monkeypatch.setattr(_counters, "_table", dict(table))
+        monkeypatch.setattr(_counters, "_tallies", [])
         with configured(summary_at_exit=summary_at_exit):
             _counters._summary_at_exit()
         assert capsys.readouterr().err == "".join(line + "\n" for line in expected), (rank, table, summary_at_exit)
+    # Calls counted only in a replayed capture's tally (the table reset since): staged, so printed.
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(_counters, "_table", {})
+    monkeypatch.setattr(_counters, "_tallies", [(("torch.distributed.all_reduce", "forced", "small"), 16, [2, 0.5],
+                                                 [0, 0.0])])
+    with configured(summary_at_exit=True):
+        _counters._summary_at_exit()
+    assert capsys.readouterr().err == "".join(line + "\n" for line in (f"offload_shim: staged calls on pid {pid}:", *rows))
 
 
 def test_lock_free_tallies_lose_no_call():
