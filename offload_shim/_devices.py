@@ -372,10 +372,12 @@ def unstaged_layout(tensor, group, collective: str, served) -> None:
 def _why_unstageable(served, configured) -> str:
     accelerator = torch.accelerator.current_accelerator()
     if configured is not None:
-        return (
-            f"the configured staging device {str(configured)!r} (configure(staging_device=...) or "
-            f"{_config.ENV_STAGING_DEVICE}) is not usable from this process or not of a served type"
-        )
+        named = (f"the configured staging device {str(configured)!r} (configure(staging_device=...) or "
+                 f"{_config.ENV_STAGING_DEVICE})")
+        if configured.type not in served:
+            return (f"{named} is of type {configured.type!r}, which the group does not serve (staging through "
+                    f"'cpu' is for a group whose backend serves CPU, such as plain 'gloo')")
+        return f"{named} is not usable from this process"
     if accelerator is None:
         return "this process has no accelerator (torch.accelerator.current_accelerator() is None)"
     if accelerator.type not in served:
