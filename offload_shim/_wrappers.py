@@ -142,7 +142,7 @@ def c10d_wrapper(entry: _table.Collective):
                 if group is None:  # no group (torch raises), or one that serves the call
                     return wrapped(*args, **kwargs)
                 # A small call captured before, replayed without deciding again while what decided it holds (_replay).
-                if _replay._captures and _replay.replayed(tensor, group, label, wrapped, args, kwargs, at):
+                if _replay._captures and _replay.replayed(tensor, group, wrapped, args, kwargs, at):
                     return None
                 settings = _config.settings()  # read before the decision: what a capture's replay is decided under
                 plan = _plan.decide(_bind(entry, parameters, args, kwargs, group))

@@ -342,6 +342,22 @@ def check_small_calls_replayed():
             assert same_bits(tensor, expected.cpu()), (label, call, tensor, expected)
         assert tensor.data_ptr() == storage and tensor._version == version + 5, label  # only the five copy_() calls
         assert _modes(op) == {"small": 1, "replayed": 4}, (label, _modes(op))
+    # A capture copies at the address of the call's own tensor, whichever it is: fresh tensors, tensors in turn, views
+    # at an offset into one buffer (one capture for all: the same dtype and size in bytes). A one-rank reduction
+    # returns its input, so each tensor keeps the values it was given, and every byte beside the views stays zero.
+    offload_shim.reset_staging_counters()
+    buffer = torch.zeros(12)
+    turns = [torch.empty(3), torch.empty(3), buffer[3:6], buffer[7:10]]
+    given = {}
+    for call in range(12):
+        tensor = torch.empty(3) if call % 3 == 0 else turns[call % 4]
+        tensor.copy_(torch.rand(3, generator=generator) * 100 + 1)
+        given[id(tensor)] = (tensor, tensor.clone())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        for kept, values in given.values():
+            assert same_bits(kept, values), (call, kept, values)
+    assert buffer[:3].eq(0).all() and buffer[6] == 0 and buffer[10:].eq(0).all(), buffer
+    assert _modes("all_reduce") == {"small": 1, "replayed": 11}, _modes("all_reduce")
     # A captured key replays before any decision while what decided it holds, and is decided again where it does
     # not: inside a coalescing manager (refused, as any CPU tensor on this group), with INFO logging (a new call
     # site's first call is logged), under changed settings (decided once, then replayed again).

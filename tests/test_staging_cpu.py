@@ -791,6 +791,44 @@ def test_threaded_host_copies(gloo_ranks):
         assert {"in", "out"} <= set(lanes), lanes  # the group's copy lanes
 
 
+def test_replay_host_copies_are_byte_copies_at_the_addresses():
+    """A replayed small call copies the caller's bytes through ``_replay.bytes_at`` views (the replay itself needs
+    CUDA): assigning one view to another copies exactly the bytes at those addresses, for every dtype and for views
+    at an offset into a larger tensor, and touches nothing beside them; views of other lengths are refused."""
+    from offload_shim import _replay
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float64, torch.complex64):
+        source = (torch.rand(7) * 100).to(dtype)
+        target = torch.zeros(11, dtype=dtype)
+        view = target[2:9]
+        _replay.bytes_at(view.data_ptr(), view.nbytes)[:] = _replay.bytes_at(source.data_ptr(), source.nbytes)
+        assert same_bits(view, source), dtype
+        assert not target[:2].any() and not target[9:].any(), (dtype, target)
+    with pytest.raises(ValueError):
+        _replay.bytes_at(target.data_ptr(), 4)[:] = _replay.bytes_at(source.data_ptr(), 8)
+
+
+def check_coalescing_state_kept():
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    from offload_shim import _replay
+
+    group = dist.new_group(backend="gloo")
+    values = torch.full((3,), float(dist.get_rank() + 1))
+    with _coalescing_manager(group):
+        seen = group in _replay._coalescing
+        dist.all_reduce(values, group=group)
+    dist.destroy_process_group(group)
+    return seen, values.tolist(), _replay._coalescing is dist.distributed_c10d._world.pg_coalesce_state
+
+
+def test_replay_reads_torchs_coalescing_state(gloo_ranks):
+    """The replay's check for a coalescing manager reads torch's own dict of coalescing groups, read once: torch makes
+    it once and changes it only in place, through a coalesced call and a group's destruction."""
+    for seen, values, same in gloo_ranks.run(check_coalescing_state_kept):
+        assert seen and values == [3.0] * 3 and same, (seen, values, same)
+
+
 def test_fork_child_forgets_the_parents_registrations():
     """A child made by fork() starts with empty registration tables (the registrations are its parent's: it neither
     uses nor unregisters them), and the parent's tables are untouched. (The registry's entries are put in by hand:
