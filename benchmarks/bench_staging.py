@@ -211,7 +211,8 @@ def small_calls(bench) -> None:
             "gpu_resident": (False, gpu_resident),
         }
         if bench.device.type == "cuda":
-            routes["bare_graph"] = (False, bare_graph(call, tensor, nccl, kwargs, bench.device))
+            bare, lean = bare_graph(call, tensor, nccl, kwargs, bench.device)
+            routes["bare_graph"], routes["lean_graph"] = (False, bare), (False, lean)
         times = bench.compare(routes, rounds=3 if bench.smoke else 15, calls=calls)  # 15 rounds even when quick
         modes = sorted({key.mode for key in offload_shim.staging_counters() if key.op.endswith("." + op)})
         bench.record(kind="small", op=op, case=name, calls_per_round=calls, shim_modes=modes,
@@ -219,10 +220,14 @@ def small_calls(bench) -> None:
 
 
 def bare_graph(call, tensor: torch.Tensor, group, kwargs: dict, device: torch.device):
-    """The reference of a replayed small call: a CUDA graph of the same three steps (H2D from a pinned buffer, the
-    collective, D2H into a pinned buffer), captured here with torch's own function, and a call that copies the
-    caller's bytes in (``memmove``), replays it, waits for the stream and copies the bytes out."""
+    """The references of a replayed small call: a CUDA graph of the same three steps (H2D from a pinned buffer, the
+    collective, D2H into a pinned buffer), captured here with torch's own function, and two calls of it: ``bare``
+    copies the caller's bytes in (``memmove``), replays it, waits for the stream and copies the bytes out; ``lean``
+    does the same with the shim's own host copies (``_replay.bytes_at`` views) and wait (polling the stream's
+    query), so that what the shim adds beyond it is the Python around the replay."""
     import ctypes
+
+    from offload_shim import _replay
 
     offload_shim.uninstall()
     host_in = torch.empty(tensor.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -242,19 +247,34 @@ def bare_graph(call, tensor: torch.Tensor, group, kwargs: dict, device: torch.de
     offload_shim.install()
     in_address, out_address, nbytes = host_in.data_ptr(), host_out.data_ptr(), tensor.nbytes
 
-    def replayed():
+    def bare():
         ctypes.memmove(in_address, tensor.data_ptr(), nbytes)
         graph.replay()
         torch.cuda.current_stream().synchronize()
         ctypes.memmove(tensor.data_ptr(), out_address, nbytes)
 
-    return replayed
+    into, out_of = _replay.bytes_at(in_address, nbytes), _replay.bytes_at(out_address, nbytes)
+    caller = _replay.bytes_at(tensor.data_ptr(), nbytes)
+    replay, query = torch._C._CUDAGraph.replay, torch._C._CudaStreamBase.query
+    stream = torch.cuda.current_stream()
+
+    def lean():
+        into[:] = caller
+        replay(graph)
+        while not query(stream):
+            pass
+        caller[:] = out_of
+
+    return bare, lean
 
 
 def served_path(bench) -> None:
     """CPU time the wrappers add to calls that need no staging: shim installed against uninstalled, and the same
-    call through a wrapt pass-through wrapper of the function the shim wraps (what wrapping alone costs); blocks of
-    calls alternating between the three, each side's minimum and median over the blocks."""
+    call through a wrapt pass-through wrapper of the function the shim wraps (what wrapping alone costs). Many short
+    blocks of calls, the three routes in turn (each first in a third of the rounds); each route's minimum and median
+    over the blocks, and what the shim adds beyond wrapt as the median of each round's difference between the two
+    (a round's blocks run back to back, so the host's drift from round to round cancels; the collective's own CPU
+    time varies by microseconds between blocks, more than the wrapper costs)."""
     import wrapt
 
     nccl, gloo = bench.groups["nccl"], bench.groups["gloo"]
@@ -271,21 +291,24 @@ def served_path(bench) -> None:
         "reduce_scatter_tensor, accelerator tensors": (dist.reduce_scatter_tensor, (scattered, gpu), {"group": nccl}),
         "all_reduce, CPU tensor on a group that serves CPU": (dist.all_reduce, (host,), {"group": gloo}),
     }
-    calls, rounds = (50, 5) if bench.smoke else (200, 40)
+    calls, rounds = (20, 6) if bench.smoke else (50, 150)
     for name, (function, args, kwargs) in cases.items():
         wrapped = wrapt.FunctionWrapper(function, through)
         routes = {"on": (True, lambda: getattr(dist, function.__name__)(*args, **kwargs)),
                   "off": (False, lambda: function(*args, **kwargs)),
                   "wrapt": (False, lambda: wrapped(*args, **kwargs))}
+        order = list(routes)
         blocks = {route: [] for route in routes}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's deprecation of the *_tensor names
             for round_ in range(rounds + 1):
-                for route in routes if round_ % 2 else list(routes)[::-1]:
+                turn = order[round_ % 3:] + order[: round_ % 3]
+                for route in turn:
                     installed, fn = routes[route]
                     offload_shim.install() if installed else offload_shim.uninstall()
                     dist.barrier(group=nccl)
                     bench.sync()
+                    fn()  # (the first call after an install or uninstall is not timed)
                     start = time.thread_time()
                     for _ in range(calls):
                         fn()
@@ -294,26 +317,33 @@ def served_path(bench) -> None:
                     if round_:
                         blocks[route].append(per_call)
         offload_shim.install()
-        # The wrapper's own work, apart from the collective's (whose CPU time varies by microseconds from block to
-        # block on a shared host): the shim's wrapper function and a pass-through one, called around a function
-        # that does nothing, with this case's arguments (the group's answers cached by the calls above).
+        # The wrapper's own work, apart from the collective's: the shim's wrapper function and a pass-through one,
+        # called around a function that does nothing, with this case's arguments (the group's answers cached by the
+        # calls above).
         shim = offload_shim.wrapped_functions()[f"{function.__module__}.{function.__name__}"]._self_wrapper
         bodies = {"shim": shim, "pass_through": through}
         noop = lambda *a, **k: None  # noqa: E731
         alone = {side: [] for side in bodies}
-        for round_ in range(rounds + 1):
+        for round_ in range(41):
             for side in bodies if round_ % 2 else list(bodies)[::-1]:
                 body = bodies[side]
                 start = time.thread_time()
-                for _ in range(calls * 10):
+                for _ in range(2000):
                     body(noop, None, args, kwargs)
                 if round_:
-                    alone[side].append((time.thread_time() - start) / (calls * 10))
+                    alone[side].append((time.thread_time() - start) / 2000)
         blocks.update({f"decision_{side}": values for side, values in alone.items()})
         low = {route: bench.slowest(min(values)) for route, values in blocks.items()}
         middle = {route: bench.slowest(statistics.median(values)) for route, values in blocks.items()}
+        paired = {pair: bench.slowest(statistics.median(a - b for a, b in zip(blocks[pair[0]], blocks[pair[1]])))
+                  for pair in (("on", "wrapt"), ("on", "off"), ("wrapt", "off"))}
         bench.record(kind="served", case=name, calls_per_round=calls, rounds=rounds, shim_on_cpu_seconds=low["on"],
                      shim_off_cpu_seconds=low["off"], wrapt_cpu_seconds=low["wrapt"],
+                     median_shim_on_cpu_seconds=middle["on"], median_shim_off_cpu_seconds=middle["off"],
+                     median_wrapt_cpu_seconds=middle["wrapt"],
+                     paired_added_beyond_wrapt_cpu_seconds=paired["on", "wrapt"],
+                     paired_added_cpu_seconds=paired["on", "off"],
+                     paired_wrapt_pass_through_added_cpu_seconds=paired["wrapt", "off"],
                      added_cpu_seconds=low["on"] - low["off"], wrapt_pass_through_added_cpu_seconds=low["wrapt"] - low["off"],
                      added_beyond_wrapt_cpu_seconds=low["on"] - low["wrapt"],
                      median_added_beyond_wrapt_cpu_seconds=middle["on"] - middle["wrapt"],

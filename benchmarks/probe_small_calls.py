@@ -153,6 +153,22 @@ def main() -> None:
             ctypes.memmove(address, out_address, nb)
         return call
 
+    into, out_of = _replay.bytes_at(in_address, nb), _replay.bytes_at(out_address, nb)
+    caller_bytes = _replay.bytes_at(caller.data_ptr(), nb)
+
+    def viewed(graph, replay, wait):  # the host copies as the shim makes them (_replay.bytes_at views)
+        def call():
+            into[:] = caller_bytes
+            replay(graph)
+            wait()
+            caller_bytes[:] = out_of
+        return call
+
+    def polled():
+        stream = _replay._current_stream(0)
+        while not query(stream):
+            pass
+
     query = torch._C._CudaStreamBase.query
     direct = torch._C._CUDAGraph.replay
 
@@ -177,7 +193,10 @@ def main() -> None:
         assert caller.item() == 3.0, caller
     variants = {"hand": hand, "gpu_resident+sync": gpu_resident, "bare replay": bare(graphs["memcpy"]),
                 "bare replay, kernel copies": bare(graphs["kernels"]), "lean replay": lean(graphs["memcpy"], direct),
-                "lean replay, kernel copies": lean(graphs["kernels"], direct), "shim": shim}
+                "lean replay, kernel copies": lean(graphs["kernels"], direct), "shim": shim,
+                "bare replay, view copies": viewed(graphs["memcpy"], torch.cuda.CUDAGraph.replay,
+                                                   lambda: torch.cuda.current_stream().synchronize()),
+                "lean replay, view copies": viewed(graphs["memcpy"], direct, polled)}
     if launch is not None:
         variants["lean replay, cudaGraphLaunch"] = lean(graphs["memcpy"], launch)
         variants["lean replay, kernel copies, cudaGraphLaunch"] = lean(graphs["kernels"], launch)
@@ -198,6 +217,8 @@ def main() -> None:
         "stream.query() (idle)": stream.query,
         "_CudaStreamBase.query(stream) (idle)": lambda: query(stream),
         "memmove 4 bytes with data_ptr()": lambda: ctypes.memmove(in_address, caller.data_ptr(), nb),
+        "view copy 4 bytes (into[:] = caller)": lambda: into.__setitem__(slice(None), caller_bytes),
+        "bytes_at(caller.data_ptr(), 4)": lambda: _replay.bytes_at(caller.data_ptr(), nb),
         "key tuple and dict lookup": lambda: table.get(
             (0, group, type(caller), caller.dtype, caller.shape, _replay.call_key(torch_all_reduce, (caller,), {"op": op}))),
         "a replay's count (_counters.tally)": lambda: _count(counts),

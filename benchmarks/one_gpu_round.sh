@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One round on one accelerator, in one device call: install, the one-GPU tests, the one-rank staging benchmark, and
+# the replayed small call taken apart; everything under OUTDIR.
+#   TESTS=EXPR SECTIONS=LIST bash benchmarks/one_gpu_round.sh OUTDIR
+# TESTS: a pytest -k expression for tests/test_one_gpu.py (default: every test; "none": no tests);
+# SECTIONS: bench_staging.py's --only (default: copy_limits,small,served,pageable).
+set -u -o pipefail
+out=${1:?OUTDIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+{
+  date -u
+  python3 -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -n 1
+  python3 -c 'import torch, wrapt, sys; print("torch", torch.__version__, "nccl", ".".join(map(str, torch.cuda.nccl.version())), "wrapt", wrapt.__version__, "python", sys.version.split()[0]); print(torch.cuda.get_device_name(0))'
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c 'from offload_shim import _wrappers; print("collectives this torch calls from another:", {n: len(_wrappers._callers(n)) for n in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")})'
+} > "$out/env.log" 2>&1
+rc=0
+if [ "${TESTS:-}" != none ]; then
+  python3 -m pytest -o addopts="" -m gpu -v -p no:cacheprovider tests/test_one_gpu.py ${TESTS:+-k "$TESTS"} > "$out/tests.log" 2>&1
+  rc=$?
+  echo "tests rc=$rc" >> "$out/tests.log"
+fi
+torchrun --nproc_per_node 1 benchmarks/bench_staging.py --quick --only "${SECTIONS:-copy_limits,small,served,pageable}" \
+  --out "$out/bench" > "$out/bench.log" 2>&1
+bench=$?
+echo "bench rc=$bench" >> "$out/bench.log"
+torchrun --nproc_per_node 1 benchmarks/probe_small_calls.py --out "$out/probe" > "$out/probe.log" 2>&1
+echo "probe rc=$?" >> "$out/probe.log"
+grep -E "passed|failed|rc=" "$out/tests.log" 2>/dev/null | tail -n 2
+grep -E "^\| (0-dim|1-element|served|pageable)" "$out/bench.log"
+grep -E "latency_us|cpu_us" "$out/probe.log"
+exit $(( rc | bench ))
