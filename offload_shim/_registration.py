@@ -131,7 +131,10 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
         return False  # (registration off: a few reads)
     storage = tensor.untyped_storage()
     pointer, nbytes = storage.data_ptr(), storage.nbytes()
-    done = _drain()
+    # Freed storages first: until unregistered, their pages stay registered, and a tensor the allocator has since
+    # placed in them would look pinned (``is_pinned``) and be passed over as "pinned by others".
+    _unregister(_drain())
+    done = []
     try:
         with _lock:
             done += _shrink(cap)

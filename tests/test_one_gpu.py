@@ -23,6 +23,7 @@ Run: ``python -m pytest -o addopts="" -m gpu tests/test_one_gpu.py`` (skipped wi
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import time
@@ -654,6 +655,26 @@ def check_registration_by_default():
         torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
         answers["driver's unregister waits for the device"] = (sleeping.query(), time.perf_counter() - start)
         torch.accelerator.synchronize()
+    # A tensor that the allocator placed in the pages of a registered storage since freed (its finalizer's pointer
+    # not yet taken) is not passed over as pinned by others: the freed storage is unregistered first, and the tensor
+    # is registered at its own second call. (The freeing is simulated: the tensor shares the memory of a live
+    # storage, whose pointer is queued as its finalizer would queue it.)
+    with configured(chunk_bytes="1MiB", register_bytes="8MiB"):
+        first = torch.ones(1 << 19)
+        for _ in range(2):
+            dist.all_reduce(first)
+        assert first.is_pinned()
+        buffer = (ctypes.c_byte * first.nbytes).from_address(first.data_ptr())
+        alias = torch.frombuffer(buffer, dtype=torch.float32)
+        _registration._freed_pointers.append(first.data_ptr())
+        seen = []
+        for _ in range(2):
+            dist.all_reduce(alias)
+            seen.append((alias.is_pinned(), first.is_pinned()))
+        answers["in a freed storage's pages"] = seen
+        del alias
+        _registration.registered_bytes()  # (the alias's registration undone before the memory's owner goes)
+        del first
     return answers
 
 
@@ -668,6 +689,7 @@ def test_registration_by_default(nccl_rank):
     # Registered at their second calls; the third evicts the first, which then stays pageable: no churn.
     assert answers["in turn"][1:] == [[False, True, True]] * 3, answers["in turn"]
     assert answers["unregistered"] == (0, 0), answers["unregistered"]
+    assert answers["in a freed storage's pages"] == [(False, False), (True, True)], answers["in a freed storage's pages"]
     print("cudaHostUnregister while another stream runs a kernel: (that kernel done when it returned, seconds) =",
           answers["driver's unregister waits for the device"])
 
