@@ -256,6 +256,8 @@ def host_call_group(given, tensor: torch.Tensor) -> dist.ProcessGroup | None:
     if entry is not None:
         state, agreement, below = entry
         if below and (state is None or state.agreement is agreement):  # (below 0: every call is decided)
+            if below == math.inf:  # every size: the tensor is not read
+                return None
             try:
                 nbytes = tensor.nbytes
             except Exception:  # (a sparse tensor's nbytes raises; the decision leaves it to torch)
