@@ -269,12 +269,14 @@ def bare_graph(call, tensor: torch.Tensor, group, kwargs: dict, device: torch.de
 
 
 def served_path(bench) -> None:
-    """CPU time the wrappers add to calls that need no staging: shim installed against uninstalled, and the same
-    call through a wrapt pass-through wrapper of the function the shim wraps (what wrapping alone costs). Many short
-    blocks of calls, the three routes in turn (each first in a third of the rounds); each route's minimum and median
-    over the blocks, and what the shim adds beyond wrapt as the median of each round's difference between the two
-    (a round's blocks run back to back, so the host's drift from round to round cancels; the collective's own CPU
-    time varies by microseconds between blocks, more than the wrapper costs)."""
+    """CPU time the wrappers add to calls that need no staging, with the shim installed: the shim's wrapper of each
+    function against torch's function itself and a wrapt pass-through wrapper of it (what wrapping alone costs),
+    called in turn, one call each, the order rotated every turn; what the shim adds is the median over the turns of
+    the difference between its call and the other's in the same turn (the collective's own CPU time varies by
+    microseconds from call to call and from block to block, more than the wrapper costs; a turn's calls run back
+    to back, so the host's drift cancels). Where torch calls one collective from another, the inner call passes
+    through the shim's wrapper on every side alike. Then the wrapper's decision alone: the shim's wrapper function
+    and a pass-through one around a function that does nothing."""
     import wrapt
 
     nccl, gloo = bench.groups["nccl"], bench.groups["gloo"]
@@ -282,46 +284,41 @@ def served_path(bench) -> None:
     gpu = torch.ones(world, device=bench.device)
     gathered, scattered = torch.empty(world * world, device=bench.device), torch.empty(1, device=bench.device)
     host = torch.ones(1)
-    offload_shim.uninstall()
     through = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)  # noqa: E731
     cases = {
-        "all_reduce, accelerator tensor": (dist.all_reduce, (gpu,), {"group": nccl}),
-        "broadcast, accelerator tensor": (dist.broadcast, (gpu, 0), {"group": nccl}),
-        "all_gather_into_tensor, accelerator tensors": (dist.all_gather_into_tensor, (gathered, gpu), {"group": nccl}),
-        "reduce_scatter_tensor, accelerator tensors": (dist.reduce_scatter_tensor, (scattered, gpu), {"group": nccl}),
-        "all_reduce, CPU tensor on a group that serves CPU": (dist.all_reduce, (host,), {"group": gloo}),
+        "all_reduce, accelerator tensor": ("all_reduce", (gpu,), {"group": nccl}),
+        "broadcast, accelerator tensor": ("broadcast", (gpu, 0), {"group": nccl}),
+        "all_gather_into_tensor, accelerator tensors": ("all_gather_into_tensor", (gathered, gpu), {"group": nccl}),
+        "reduce_scatter_tensor, accelerator tensors": ("reduce_scatter_tensor", (scattered, gpu), {"group": nccl}),
+        "all_reduce, CPU tensor on a group that serves CPU": ("all_reduce", (host,), {"group": gloo}),
     }
-    calls, rounds = (20, 6) if bench.smoke else (50, 150)
+    turns = 500 if bench.smoke else 20000
+    clock = time.thread_time_ns
+    offload_shim.install()
     for name, (function, args, kwargs) in cases.items():
-        wrapped = wrapt.FunctionWrapper(function, through)
-        routes = {"on": (True, lambda: getattr(dist, function.__name__)(*args, **kwargs)),
-                  "off": (False, lambda: function(*args, **kwargs)),
-                  "wrapt": (False, lambda: wrapped(*args, **kwargs))}
-        order = list(routes)
-        blocks = {route: [] for route in routes}
+        shim = getattr(dist, function)  # the shim's FunctionWrapper
+        torch_function = shim.__wrapped__
+        routes = [("on", shim), ("off", torch_function), ("wrapt", wrapt.FunctionWrapper(torch_function, through))]
+        spent = {route: [] for route, _ in routes}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's deprecation of the *_tensor names
-            for round_ in range(rounds + 1):
-                turn = order[round_ % 3:] + order[: round_ % 3]
-                for route in turn:
-                    installed, fn = routes[route]
-                    offload_shim.install() if installed else offload_shim.uninstall()
-                    dist.barrier(group=nccl)
+            for turn in range(-200, turns):  # (the first 200 turns warm up)
+                if turn % 200 == 0:
                     bench.sync()
-                    fn()  # (the first call after an install or uninstall is not timed)
-                    start = time.thread_time()
-                    for _ in range(calls):
-                        fn()
-                    per_call = (time.thread_time() - start) / calls
-                    bench.sync()
-                    if round_:
-                        blocks[route].append(per_call)
-        offload_shim.install()
+                for route, fn in routes[turn % 3:] + routes[: turn % 3]:
+                    start = clock()
+                    fn(*args, **kwargs)
+                    elapsed = clock() - start
+                    if turn >= 0:
+                        spent[route].append(elapsed)
+        bench.sync()
+        middle = {route: statistics.median(values) * 1e-9 for route, values in spent.items()}
+        paired = {pair: statistics.median(a - b for a, b in zip(spent[pair[0]], spent[pair[1]])) * 1e-9
+                  for pair in (("on", "wrapt"), ("on", "off"), ("wrapt", "off"))}
         # The wrapper's own work, apart from the collective's: the shim's wrapper function and a pass-through one,
         # called around a function that does nothing, with this case's arguments (the group's answers cached by the
         # calls above).
-        shim = offload_shim.wrapped_functions()[f"{function.__module__}.{function.__name__}"]._self_wrapper
-        bodies = {"shim": shim, "pass_through": through}
+        bodies = {"shim": shim._self_wrapper, "pass_through": through}
         noop = lambda *a, **k: None  # noqa: E731
         alone = {side: [] for side in bodies}
         for round_ in range(41):
@@ -332,25 +329,17 @@ def served_path(bench) -> None:
                     body(noop, None, args, kwargs)
                 if round_:
                     alone[side].append((time.thread_time() - start) / 2000)
-        blocks.update({f"decision_{side}": values for side, values in alone.items()})
-        low = {route: bench.slowest(min(values)) for route, values in blocks.items()}
-        middle = {route: bench.slowest(statistics.median(values)) for route, values in blocks.items()}
-        paired = {pair: bench.slowest(statistics.median(a - b for a, b in zip(blocks[pair[0]], blocks[pair[1]])))
-                  for pair in (("on", "wrapt"), ("on", "off"), ("wrapt", "off"))}
-        bench.record(kind="served", case=name, calls_per_round=calls, rounds=rounds, shim_on_cpu_seconds=low["on"],
-                     shim_off_cpu_seconds=low["off"], wrapt_cpu_seconds=low["wrapt"],
-                     median_shim_on_cpu_seconds=middle["on"], median_shim_off_cpu_seconds=middle["off"],
-                     median_wrapt_cpu_seconds=middle["wrapt"],
-                     paired_added_beyond_wrapt_cpu_seconds=paired["on", "wrapt"],
-                     paired_added_cpu_seconds=paired["on", "off"],
-                     paired_wrapt_pass_through_added_cpu_seconds=paired["wrapt", "off"],
-                     added_cpu_seconds=low["on"] - low["off"], wrapt_pass_through_added_cpu_seconds=low["wrapt"] - low["off"],
-                     added_beyond_wrapt_cpu_seconds=low["on"] - low["wrapt"],
-                     median_added_beyond_wrapt_cpu_seconds=middle["on"] - middle["wrapt"],
-                     median_added_cpu_seconds=middle["on"] - middle["off"],
-                     decision_beyond_pass_through_cpu_seconds=low["decision_shim"] - low["decision_pass_through"],
-                     median_decision_beyond_pass_through_cpu_seconds=(middle["decision_shim"]
-                                                                      - middle["decision_pass_through"]))
+        low = {side: min(values) for side, values in alone.items()}
+        bench.record(kind="served", case=name, turns=turns,
+                     median_shim_on_cpu_seconds=bench.slowest(middle["on"]),
+                     median_shim_off_cpu_seconds=bench.slowest(middle["off"]),
+                     median_wrapt_cpu_seconds=bench.slowest(middle["wrapt"]),
+                     paired_added_beyond_wrapt_cpu_seconds=bench.slowest(paired["on", "wrapt"]),
+                     paired_added_cpu_seconds=bench.slowest(paired["on", "off"]),
+                     paired_wrapt_pass_through_added_cpu_seconds=bench.slowest(paired["wrapt", "off"]),
+                     decision_beyond_pass_through_cpu_seconds=bench.slowest(low["shim"] - low["pass_through"]),
+                     median_decision_beyond_pass_through_cpu_seconds=bench.slowest(
+                         statistics.median(alone["shim"]) - statistics.median(alone["pass_through"])))
 
 
 def pageable(bench, nbytes: int, limits: dict, floor_bandwidth: float, limit) -> None:
