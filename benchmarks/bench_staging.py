@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 import offload_shim
+from bench_wrapper_cpu import in_turn, median_difference  # (benchmarks/, the script's folder, is on sys.path)
 from offload_shim import _config, _execute, _staging
 
 MiB = 1 << 20
@@ -274,8 +275,10 @@ def served_path(bench) -> None:
     called in turn, one call each, the order rotated every turn; what the shim adds is the median over the turns of
     the difference between its call and the other's in the same turn (the collective's own CPU time varies by
     microseconds from call to call and from block to block, more than the wrapper costs; a turn's calls run back
-    to back, so the host's drift cancels). Where torch calls one collective from another, the inner call passes
-    through the shim's wrapper on every side alike. Then the wrapper's decision alone: the shim's wrapper function
+    to back, so the host's drift cancels). A second pass-through wrapper of its own measured beside the first shows
+    what the method itself resolves (two wrappers that do the same differ by the layout of their objects and code).
+    Where torch calls one collective from another, the inner call passes through the shim's wrapper on every side
+    alike. Then the wrapper's decision alone: the shim's wrapper function
     and a pass-through one around a function that does nothing."""
     import wrapt
 
@@ -285,6 +288,7 @@ def served_path(bench) -> None:
     gathered, scattered = torch.empty(world * world, device=bench.device), torch.empty(1, device=bench.device)
     host = torch.ones(1)
     through = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)  # noqa: E731
+    through_again = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)  # noqa: E731
     cases = {
         "all_reduce, accelerator tensor": ("all_reduce", (gpu,), {"group": nccl}),
         "broadcast, accelerator tensor": ("broadcast", (gpu, 0), {"group": nccl}),
@@ -293,28 +297,19 @@ def served_path(bench) -> None:
         "all_reduce, CPU tensor on a group that serves CPU": ("all_reduce", (host,), {"group": gloo}),
     }
     turns = 500 if bench.smoke else 20000
-    clock = time.thread_time_ns
     offload_shim.install()
     for name, (function, args, kwargs) in cases.items():
         shim = getattr(dist, function)  # the shim's FunctionWrapper
         torch_function = shim.__wrapped__
-        routes = [("on", shim), ("off", torch_function), ("wrapt", wrapt.FunctionWrapper(torch_function, through))]
-        spent = {route: [] for route, _ in routes}
+        routes = {"on": shim, "off": torch_function, "wrapt": wrapt.FunctionWrapper(torch_function, through),
+                  "wrapt_again": wrapt.FunctionWrapper(torch_function, through_again)}  # (the method's own spread)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's deprecation of the *_tensor names
-            for turn in range(-200, turns):  # (the first 200 turns warm up)
-                if turn % 200 == 0:
-                    bench.sync()
-                for route, fn in routes[turn % 3:] + routes[: turn % 3]:
-                    start = clock()
-                    fn(*args, **kwargs)
-                    elapsed = clock() - start
-                    if turn >= 0:
-                        spent[route].append(elapsed)
+            spent = in_turn(routes, args, kwargs, turns, between=bench.sync)
         bench.sync()
         middle = {route: statistics.median(values) * 1e-9 for route, values in spent.items()}
-        paired = {pair: statistics.median(a - b for a, b in zip(spent[pair[0]], spent[pair[1]])) * 1e-9
-                  for pair in (("on", "wrapt"), ("on", "off"), ("wrapt", "off"))}
+        paired = {pair: median_difference(spent, *pair)
+                  for pair in (("on", "wrapt"), ("on", "off"), ("wrapt", "off"), ("wrapt_again", "wrapt"))}
         # The wrapper's own work, apart from the collective's: the shim's wrapper function and a pass-through one,
         # called around a function that does nothing, with this case's arguments (the group's answers cached by the
         # calls above).
@@ -337,6 +332,7 @@ def served_path(bench) -> None:
                      paired_added_beyond_wrapt_cpu_seconds=bench.slowest(paired["on", "wrapt"]),
                      paired_added_cpu_seconds=bench.slowest(paired["on", "off"]),
                      paired_wrapt_pass_through_added_cpu_seconds=bench.slowest(paired["wrapt", "off"]),
+                     paired_second_pass_through_beyond_wrapt_cpu_seconds=bench.slowest(paired["wrapt_again", "wrapt"]),
                      decision_beyond_pass_through_cpu_seconds=bench.slowest(low["shim"] - low["pass_through"]),
                      median_decision_beyond_pass_through_cpu_seconds=bench.slowest(
                          statistics.median(alone["shim"]) - statistics.median(alone["pass_through"])))

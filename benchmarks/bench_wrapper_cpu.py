@@ -21,8 +21,34 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import time
+
+
+def in_turn(routes: dict, args: tuple, kwargs: dict, turns: int, between=None) -> dict:
+    """Thread CPU time, in nanoseconds, of each of ``routes`` (name: callable) called with ``args`` and ``kwargs``:
+    one call of each in turn, the order rotated every turn, after 200 turns of warm-up; ``between()`` runs untimed
+    every 200 turns. Returns {name: [nanoseconds of each turn's call]}: a turn's calls run back to back, so the
+    difference between two routes in one turn holds little of the host's drift (see :func:`median_difference`)."""
+    named = list(routes.items())
+    spent = {name: [] for name in routes}
+    clock = time.thread_time_ns
+    for turn in range(-200, turns):
+        if between is not None and turn % 200 == 0:
+            between()
+        for name, fn in named[turn % len(named):] + named[: turn % len(named)]:
+            start = clock()
+            fn(*args, **kwargs)
+            elapsed = clock() - start
+            if turn >= 0:
+                spent[name].append(elapsed)
+    return spent
+
+
+def median_difference(spent: dict, one: str, other: str) -> float:
+    """The median over the turns of route ``one``'s time less route ``other``'s in the same turn, in seconds."""
+    return statistics.median(a - b for a, b in zip(spent[one], spent[other])) * 1e-9
 
 
 def measure(calls: int, rounds: int) -> dict:
@@ -56,6 +82,9 @@ def measure(calls: int, rounds: int) -> dict:
     def passing_on(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
+    def passing_on_again(wrapped, instance, args, kwargs):  # a second pass-through: the in-turn method's own spread
+        return wrapped(*args, **kwargs)
+
     def body(call):
         """``call`` made against a function that does nothing: the wrapper's own work, apart from the collective's
         (whose CPU time on Gloo includes its wait, which the Python before it lengthens)."""
@@ -80,6 +109,11 @@ def measure(calls: int, rounds: int) -> dict:
         call()
         setattr(dist, function, original)
         offload_shim.install()
+        # The whole call in turn, shim installed: its wrapper, torch's function, a wrapt pass-through of it.
+        shim = getattr(dist, function)
+        spent = in_turn({"shim": shim, "off": shim.__wrapped__, "wrapt": wrapt.FunctionWrapper(shim.__wrapped__, passing_on),
+                         "wrapt_again": wrapt.FunctionWrapper(shim.__wrapped__, passing_on_again)},
+                        arguments["args"], arguments["kwargs"], calls * rounds // 3)
         decision = {"shim": float("inf"), "wrapt": float("inf")}
         for round_ in range(rounds + 1):
             for side, function_body in (("shim", wrapper), ("wrapt", passing_on)):
@@ -108,6 +142,11 @@ def measure(calls: int, rounds: int) -> dict:
                     every[side].append(elapsed / calls)
         median = {side: sorted(times)[len(times) // 2] for side, times in every.items()}
         results[name] = {
+            "in_turn_shim_beyond_wrapt_cpu_us_per_call": median_difference(spent, "shim", "wrapt") * 1e6,
+            "in_turn_shim_beyond_torch_cpu_us_per_call": median_difference(spent, "shim", "off") * 1e6,
+            "in_turn_wrapt_beyond_torch_cpu_us_per_call": median_difference(spent, "wrapt", "off") * 1e6,
+            "in_turn_second_pass_through_beyond_wrapt_cpu_us_per_call": median_difference(spent, "wrapt_again", "wrapt") * 1e6,
+            "in_turn_calls": len(spent["shim"]),
             "shim_beyond_wrapt_median_cpu_us_per_call": (median["shim"] - median["wrapt"]) * 1e6,
             "shim_beyond_torch_median_cpu_us_per_call": (median["shim"] - median["off"]) * 1e6,
             "shim_on_cpu_us_per_call": best["shim"] * 1e6,
@@ -152,6 +191,11 @@ def main(argv=None) -> dict:
     results = {"calls_per_round": args.calls, "rounds": args.rounds, "cases": measure(args.calls, args.rounds)}
     results["counting_cpu_us_per_staged_call"] = counting(args.calls, args.rounds)
     for name, r in results["cases"].items():
+        print(f"{name}, one element, one-rank Gloo group, in turn ({r['in_turn_calls']} calls each; medians of the "
+              f"differences): the shim {r['in_turn_shim_beyond_wrapt_cpu_us_per_call']:.2f} us beyond a wrapt "
+              f"pass-through, {r['in_turn_shim_beyond_torch_cpu_us_per_call']:.2f} us beyond torch (the pass-through "
+              f"{r['in_turn_wrapt_beyond_torch_cpu_us_per_call']:.2f} us; a second pass-through beyond the first, the "
+              f"method's own spread: {r['in_turn_second_pass_through_beyond_wrapt_cpu_us_per_call']:.2f} us)")
         print(f"{name}, one element, one-rank Gloo group, minimum of {args.rounds} rounds of {args.calls} calls: "
               f"CPU time per call {r['shim_on_cpu_us_per_call']:.2f} us with the shim, {r['shim_off_cpu_us_per_call']:.2f} us "
               f"without, added {r['added_cpu_us_per_call']:.2f} us, of which a wrapt pass-through wrapper alone "

@@ -56,7 +56,9 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, str]]:
                              f"{us(paired)} us (median over {r['turns']} turns of the difference in a turn)",
                              f"{us(r['median_shim_on_cpu_seconds'])} on, {us(r['median_shim_off_cpu_seconds'])} off, "
                              f"{us(r['median_wrapt_cpu_seconds'])} wrapt (medians per call); a wrapt pass-through adds "
-                             f"{us(r['paired_wrapt_pass_through_added_cpu_seconds'])}", "yes" if paired <= 0.5e-6 else "no"))
+                             f"{us(r['paired_wrapt_pass_through_added_cpu_seconds'])}; a second pass-through beyond "
+                             f"the first (the method's own spread) {us(r.get('paired_second_pass_through_beyond_wrapt_cpu_seconds', float('nan')))}",
+                             "yes" if paired <= 0.5e-6 else "no"))
             else:  # a run from before the paired rounds
                 added = r.get("added_beyond_wrapt_cpu_seconds")
                 if added is None:  # a run from before the wrapt reference was a route of its own

@@ -23,5 +23,8 @@ def test_served_path_benchmark_reports_each_case(tmp_path):
         assert abs(case["added_cpu_us_per_call"] - (case["shim_on_cpu_us_per_call"] - case["shim_off_cpu_us_per_call"])) < 1e-9
         assert abs(case["added_cpu_us_per_call"] - case["wrapt_alone_added_cpu_us_per_call"]
                    - case["shim_beyond_wrapt_cpu_us_per_call"]) < 1e-9
-    assert result.stdout.count("added") == 4
+        assert case["in_turn_calls"] == 50 * 2 // 3  # every turn timed once the warm-up is over
+        assert all(isinstance(case[f"in_turn_{what}_cpu_us_per_call"], float) for what in (
+            "shim_beyond_wrapt", "shim_beyond_torch", "wrapt_beyond_torch", "second_pass_through_beyond_wrapt"))
+    assert result.stdout.count("added") == 4 and result.stdout.count("in turn") == 4
     assert report["counting_cpu_us_per_staged_call"] > 0 and "counting a staged call" in result.stdout
