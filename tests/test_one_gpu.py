@@ -694,6 +694,44 @@ def test_registration_by_default(nccl_rank):
           answers["driver's unregister waits for the device"])
 
 
+def check_freed_registered_memory_reused():
+    """A registered storage freed while still registered (its pointer waits for the module's next call) and its
+    address given to a new tensor: torch's own copies into and out of the new tensor, before any call of the shim's,
+    and the shim's staged calls after, move the new tensor's own bytes (256 MiB: above glibc's mmap threshold, so the
+    memory is unmapped when freed and mapped again for the new tensor)."""
+    offload_shim.install()
+    device = _accelerator()
+    size = 64 << 20  # fp32 elements
+    answers = {}
+    with configured(chunk_bytes="16MiB", register_bytes="2GiB"):
+        first = torch.ones(size)
+        for _ in range(2):
+            dist.all_reduce(first)
+        answers["registered"] = first.is_pinned()
+        address = first.data_ptr()
+        del first
+        again = [torch.empty(size) for _ in range(3)]
+        reused = next((t for t in again if t.data_ptr() == address), None)
+        answers["address reused"] = reused is not None
+        if reused is not None:
+            reused.copy_(torch.full((size,), 7.0, device=device))  # D2H by torch, before the shim's next call
+            answers["torch D2H"] = bool(reused.eq(7.0).all())
+            answers["torch H2D"] = bool(reused.to(device).eq(7.0).all())
+            reused.fill_(3.0)
+            dist.all_reduce(reused)  # a one-rank sum: unchanged
+            answers["staged"] = bool(reused.eq(3.0).all())
+    return answers
+
+
+def test_freed_registered_memory_reused(nccl_rank):
+    (answers,) = nccl_rank.run(check_freed_registered_memory_reused)
+    assert answers["registered"], answers
+    if not answers["address reused"]:
+        pytest.skip(f"the allocator gave the freed address to none of the new tensors: {answers}")
+    assert answers == {"registered": True, "address reused": True, "torch D2H": True, "torch H2D": True,
+                       "staged": True}, answers
+
+
 def check_nccl_writes_what_gloo_refuses():
     """On a NCCL-only group, CPU outputs that autograd would refuse to write (a leaf that requires grad, an
     inference tensor) are written, as NCCL writes such accelerator outputs from C++ and raises nothing; and the
