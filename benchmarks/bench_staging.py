@@ -183,7 +183,8 @@ def copy_limits(bench, routes: dict, nbytes: int) -> dict:
 
 def small_calls(bench) -> None:
     """Per-call latency of small staged all_reduces and broadcasts against Gloo, staging by hand, and GPU-resident
-    (each followed by a stream sync, as a staged call's result is on the host)."""
+    (each followed by a stream sync, as a staged call's result is on the host); on CUDA also against the bare and
+    lean graphs of the same three steps (:func:`bare_graph`)."""
     nccl, gloo = bench.groups["nccl"], bench.groups["gloo"]
     calls = 20 if bench.smoke else 200
     cases = (("all_reduce", "0-dim fp32 SUM", torch.zeros(()), {"op": dist.ReduceOp.SUM}),
