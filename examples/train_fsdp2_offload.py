@@ -138,6 +138,7 @@ def torch_alone_on_an_accelerator_group() -> str:
     on a group whose only backend serves the accelerator: ``cuda:gloo`` here, which has no CPU backend, as a
     NCCL-only group has none. The shim, if installed, is removed for the call and installed again."""
     group = dist.new_group(backend="cuda:gloo")
+    dist.barrier()  # every rank's side of the new group connected before a rank may exit (Gloo's connectFullMesh)
     shim = sys.modules.get("offload_shim")
     installed = shim is not None and shim.is_installed()
     if installed:
