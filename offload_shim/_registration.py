@@ -9,14 +9,19 @@ A storage is registered at its second pipelined staging (a storage staged once, 
 never is), if it fits under the budget: :func:`budget` by default, half of the host's memory shared by the node's
 ranks. The least recently staged ones are unregistered to make room, and a storage unregistered so is registered
 again only into free room (storages reused in turn beyond the budget would otherwise be registered and unregistered
-at every call); one larger than the budget never is. A storage is unregistered once it is freed (a finalizer on
-torch's storage object, which lives exactly as long as the storage, queues it, and the module's next call
-unregisters it: never the finalizer itself, which may run during a CUDA graph capture or under any lock), when
-the budget needs its room, when the budget is lowered (at the next pipelined call), and by :func:`unregister_all`
-(which ``destroy_process_group()`` of every group and ``release_buffers()`` call). Before memory is unregistered, the host waits for events recorded on
-the streams that staging copies on (:func:`_groups.copy_streams`), which follow every copy queued so far: never
-for the whole device, never under the module's lock, and never while a stream of this thread captures a CUDA
-graph (the pointers wait for the next call). A registration that fails (the driver's limit, a container's) leaves
+at every call); one larger than the budget never is. A storage is unregistered as it is freed, by a finalizer on torch's storage
+object (which lives exactly as long as the storage): the driver keeps a range registered after its memory is
+unmapped, and a copy to or from a tensor the allocator later maps at that address would move the old pages, so the
+registration must go with the memory. The finalizer takes no lock (it may run under any) and waits for nothing (no
+staging copy can still use memory the shim no longer references); only where this thread is capturing a CUDA
+graph, where unregistering is illegal, is the pointer left to the module's next call. A storage is also
+unregistered when the budget needs its room, when the budget is lowered (at the next pipelined call), and by
+:func:`unregister_all` (which ``destroy_process_group()`` of every group and ``release_buffers()`` call); each
+registration is undone once, by its finalizer or, detaching it first, by one of these. Before memory still in use
+is unregistered, the host waits for events recorded on the streams that staging copies on
+(:func:`_groups.copy_streams`), which follow every copy queued so far: never for the whole device, never under the
+module's lock, and never while a stream of this thread captures a CUDA graph (the pointers wait for the next
+call). A registration that fails (the driver's limit, a container's) leaves
 the storage pageable, its calls take the bounce path, and one log line says so. Nothing is kept alive: the
 registry holds no reference to a storage. A child made by ``fork()`` starts with empty tables: the registrations
 are its parent's (the driver's, in the parent's context), which it neither uses nor undoes.
@@ -39,15 +44,17 @@ from offload_shim import _config, _groups
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, as torch's own stager registers
 
 _lock = threading.Lock()  # around the tables; never held while the device is synchronized or memory unregistered
-# data pointer -> (weak reference to the storage, bytes), least recently staged first
-_registered: collections.OrderedDict[int, tuple[weakref.ref, int]] = collections.OrderedDict()
+# data pointer -> (weak reference to the storage, bytes, its finalizer), least recently staged first
+_registered: collections.OrderedDict[int, tuple[weakref.ref, int, weakref.finalize]] = collections.OrderedDict()
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages staged once, not registered
 _failed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages whose registration failed
 _evicted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # unregistered for room: again only into free room
 _log = logging.getLogger("offload_shim")
 _logged_failure = False
-# Pointers of registered storages since freed, queued by their finalizer (which may run anywhere: inside a CUDA graph
-# capture, under any lock) and unregistered at the next call of this module's (list.append is atomic).
+# Pointers of registered storages since freed, appended by their finalizer (which may run anywhere, under any lock;
+# list.append is atomic): unregistered by it, their table entries dropped at the module's next call (_released); or,
+# freed during this thread's CUDA graph capture, unregistered at the next call (_freed_pointers).
+_released: list[int] = []
 _freed_pointers: list[int] = []
 _deferred: list[int] = []  # pointers taken off the table during a CUDA graph capture, unregistered after it
 
@@ -127,7 +134,7 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     cap = _cap()
-    if cap <= 0 and not _registered and not _freed_pointers:
+    if cap <= 0 and not _registered and not _freed_pointers and not _released:
         return False  # (registration off: a few reads)
     storage = tensor.untyped_storage()
     pointer, nbytes = storage.data_ptr(), storage.nbytes()
@@ -143,8 +150,9 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
                 if entry[0]() is storage and entry[1] == nbytes:
                     _registered.move_to_end(pointer)
                     return True
-                del _registered[pointer]  # another storage at that address: the registered one was freed
-                done.append(pointer)
+                del _registered[pointer]  # another storage at that address, or this one resized
+                if entry[2].detach() is not None:  # (else its finalizer has unregistered it)
+                    done.append(pointer)
             if cap <= 0 or nbytes > cap or storage in _failed or tensor.is_pinned():  # pinned by torch or others
                 return False
             if storage in _evicted and _total() + nbytes > cap:  # unregistered for room once: only into free room
@@ -163,10 +171,35 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
             _failed[storage] = True
         _log_failure(code, nbytes)
         return False
-    with _lock:
-        _registered[pointer] = (weakref.ref(storage), nbytes)
-    weakref.finalize(storage, _freed_pointers.append, pointer)  # holds the pointer only, not the storage
+    _track(storage, pointer, nbytes)
     return True
+
+
+def _track(storage, pointer: int, nbytes: int) -> None:
+    """Enter ``storage``, registered at ``pointer`` for ``nbytes``, in the table, with the finalizer that unregisters
+    it when it is freed (holding the pointer only, not the storage)."""
+    finalizer = weakref.finalize(storage, _freed, pointer, os.getpid())
+    finalizer.atexit = False  # (the process's end releases its registrations)
+    with _lock:
+        _registered[pointer] = (weakref.ref(storage), nbytes, finalizer)
+
+
+def _freed(pointer: int, pid: int) -> None:
+    """The finalizer of a registered storage (see the module): unregister its memory as it is freed, without the
+    lock and without waiting; during this thread's CUDA graph capture, at the module's next call; in a child made by
+    ``fork()``, never (the registration is its parent's)."""
+    if pid != os.getpid():
+        return
+    try:
+        capturing = torch.cuda.is_current_stream_capturing()
+    except Exception:  # (the interpreter is shutting down: its end releases the registration)
+        return
+    if capturing:
+        _freed_pointers.append(pointer)
+        return
+    if int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0:
+        _clear_error()
+    _released.append(pointer)
 
 
 def _shrink(cap: int) -> list[int]:
@@ -175,27 +208,38 @@ def _shrink(cap: int) -> list[int]:
     taken = []
     total = _total()
     while _registered and total > cap:
-        pointer, (reference, nbytes) = _registered.popitem(last=False)
+        pointer, (reference, nbytes, finalizer) = _registered.popitem(last=False)
         storage = reference()
         if storage is not None:
             _evicted[storage] = True
-        taken.append(pointer)
+        if finalizer.detach() is not None:  # (else its finalizer has unregistered it)
+            taken.append(pointer)
         total -= nbytes
     return taken
 
 
 def _total() -> int:
-    return sum(nbytes for _, nbytes in _registered.values())
+    return sum(entry[1] for entry in _registered.values())
 
 
 def _drain() -> list[int]:
-    """The pointers freed storages queued, taken off the table (those the table still holds)."""
+    """Take freed storages off the table: those their finalizer unregistered (where the table still holds their
+    entry, not a later storage's at that address), and those left to this call, whose pointers it returns for
+    :func:`_unregister`."""
+    while _released:
+        pointer = _released.pop()
+        with _lock:
+            entry = _registered.get(pointer)
+            if entry is not None and entry[0]() is None:
+                del _registered[pointer]
     taken = []
     while _freed_pointers:
         pointer = _freed_pointers.pop()
         with _lock:
-            if _registered.pop(pointer, None) is not None:
-                taken.append(pointer)
+            entry = _registered.pop(pointer, None)
+        if entry is not None:
+            entry[2].detach()  # (its finalizer has run, unless the pointer was queued by hand)
+            taken.append(pointer)
     return taken
 
 
@@ -220,7 +264,7 @@ def unregister_all() -> None:
     """Unregister every storage staging registered."""
     taken = _drain()
     with _lock:
-        taken += list(_registered)
+        taken += [pointer for pointer, entry in _registered.items() if entry[2].detach() is not None]
         _registered.clear()
     _unregister(taken)
 
@@ -251,6 +295,7 @@ def _forget_the_parents() -> None:
     _seen.clear()
     _failed.clear()
     _evicted.clear()
+    _released.clear()
     _freed_pointers.clear()
     _deferred.clear()
 

@@ -514,7 +514,7 @@ def test_small_calls_replayed(nccl_rank):
 def check_pageable_memory_registered():
     """With a registration cap, a pageable tensor is registered at its second pipelined call and staged as pinned
     memory after that, with results equal to torch's call on a GPU copy; a registration that does not fit makes
-    room by unregistering the least recently staged; a freed storage is unregistered; a registration that fails
+    room by unregistering the least recently staged; a freed storage is unregistered as it is freed; a registration that fails
     leaves the call on the bounce path and no CUDA error behind; one freed during a CUDA graph capture is unregistered
     after it."""
     from offload_shim import _registration
@@ -544,7 +544,9 @@ def check_pageable_memory_registered():
         check(second)
         assert second.is_pinned() and not first.is_pinned() and _registration.registered_bytes() == 32 << 20
         check(second)
-        del second  # its storage is freed: unregistered
+        pointer = second.data_ptr()
+        del second  # its storage is freed: unregistered by its finalizer, at once
+        assert _registration._released == [pointer], (_registration._released, pointer)
         assert _registration.registered_bytes() == 0
         # Its last page registered by someone else: the shim's registration fails, the call takes the bounce path.
         third = torch.empty(4 << 18)
@@ -576,12 +578,13 @@ def check_pageable_memory_registered():
         check(first)
         check(first)
         assert first.is_pinned()
-        del first
         graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         with torch.cuda.stream(side):
             scratch = torch.zeros(4, device=device)
             with torch.cuda.graph(graph, stream=side):
                 scratch.add_(1)
+                del first  # its finalizer leaves it to the module's next call
+                assert _registration._freed_pointers, "unregistered during the capture"
                 _registration.registered_bytes()  # (waiting for the device here would end the capture)
                 assert _registration._deferred, "unregistered during the capture"
         assert _registration.registered_bytes() == 0 and not _registration._deferred
@@ -655,10 +658,10 @@ def check_registration_by_default():
         torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
         answers["driver's unregister waits for the device"] = (sleeping.query(), time.perf_counter() - start)
         torch.accelerator.synchronize()
-    # A tensor that the allocator placed in the pages of a registered storage since freed (its finalizer's pointer
-    # not yet taken) is not passed over as pinned by others: the freed storage is unregistered first, and the tensor
-    # is registered at its own second call. (The freeing is simulated: the tensor shares the memory of a live
-    # storage, whose pointer is queued as its finalizer would queue it.)
+    # A tensor that the allocator placed in the pages of a registered storage freed during a CUDA graph capture (its
+    # pointer left to the module's next call) is not passed over as pinned by others: the freed storage is
+    # unregistered first, and the tensor is registered at its own second call. (The freeing is simulated: the tensor
+    # shares the memory of a live storage, whose pointer is queued as its finalizer queues it during a capture.)
     with configured(chunk_bytes="1MiB", register_bytes="8MiB"):
         first = torch.ones(1 << 19)
         for _ in range(2):

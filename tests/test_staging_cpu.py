@@ -839,7 +839,8 @@ def test_fork_child_forgets_the_parents_registrations():
     from offload_shim import _registration
 
     storage = torch.empty(4).untyped_storage()
-    _registration._registered[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
+    _registration._registered[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes(),
+                                                     weakref.finalize(storage, lambda: None))
     _registration._freed_pointers.append(storage.data_ptr() + 1)
     try:
         pid = os.fork()
@@ -851,6 +852,64 @@ def test_fork_child_forgets_the_parents_registrations():
         assert list(_registration._registered) == [storage.data_ptr()] and _registration._freed_pointers
     finally:
         _registration._registered.clear()
+        _registration._freed_pointers.clear()
+
+
+def test_freed_storage_unregistered_by_its_finalizer(monkeypatch):
+    """A registered storage is unregistered as it is freed, by its finalizer, once, and its table entry goes at the
+    module's next call; freed while this thread captures a CUDA graph, it is unregistered at the next call instead;
+    one evicted first (its finalizer detached) is unregistered by the eviction alone; in a child made by fork() the
+    finalizer does nothing. (Registering needs CUDA: the table's entries are made by the module's own _track, and
+    the driver's unregister calls are recorded.)"""
+    import os
+    import types
+
+    from offload_shim import _registration
+
+    unregistered, capturing = [], [False]
+    driver = types.SimpleNamespace(cudaHostUnregister=lambda pointer: unregistered.append(pointer) or 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(_registration, "_unregister", lambda pointers: unregistered.extend(
+        pointers + [_registration._deferred.pop() for _ in range(len(_registration._deferred))]))
+    try:
+        freed = torch.empty(1024)
+        pointer = freed.data_ptr()
+        _registration._track(freed.untyped_storage(), pointer, freed.nbytes)
+        assert _registration._total() == freed.nbytes
+        del freed
+        assert unregistered == [pointer] and _registration._released == [pointer]  # at once, by the finalizer
+        assert _registration.registered_bytes() == 0 and unregistered == [pointer]  # the entry gone, not undone twice
+        unregistered.clear()
+        during = torch.empty(1024)
+        pointer = during.data_ptr()
+        _registration._track(during.untyped_storage(), pointer, during.nbytes)
+        capturing[0] = True
+        del during
+        assert unregistered == [] and _registration._freed_pointers == [pointer]  # left to the next call
+        capturing[0] = False
+        assert _registration.registered_bytes() == 0 and unregistered == [pointer]
+        unregistered.clear()
+        evicted = torch.empty(1024)
+        pointer = evicted.data_ptr()
+        _registration._track(evicted.untyped_storage(), pointer, evicted.nbytes)
+        with _registration._lock:
+            taken = _registration._shrink(0)
+        assert taken == [pointer] and not _registration._registered
+        del evicted
+        assert unregistered == [] and not _registration._released  # its finalizer was detached
+        inherited = torch.empty(1024)
+        _registration._track(inherited.untyped_storage(), inherited.data_ptr(), inherited.nbytes)
+        child = os.fork()
+        if child == 0:  # the child: its copy of the storage freed; report through the exit status only
+            _registration._registered.clear()
+            del inherited
+            os._exit(0 if unregistered == [] and not _registration._released else 1)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        _registration.unregister_all()
+        _registration._released.clear()
         _registration._freed_pointers.clear()
 
 
