@@ -11,8 +11,8 @@ ranks. The least recently staged ones are unregistered to make room, and a stora
 again only into free room (storages reused in turn beyond the budget would otherwise be registered and unregistered
 at every call); one larger than the budget never is. A storage is unregistered as it is freed, by a finalizer on torch's storage
 object (which lives exactly as long as the storage): the driver keeps a range registered after its memory is
-unmapped, and a copy to or from a tensor the allocator later maps at that address would move the old pages, so the
-registration must go with the memory. The finalizer takes no lock (it may run under any) and waits for nothing (no
+unmapped (a new mapping there is refused as already registered), and a copy to or from a tensor the allocator
+later maps at that address may move the old pages, so the registration must go with the memory. The finalizer takes no lock (it may run under any) and waits for nothing (no
 staging copy can still use memory the shim no longer references); only where this thread is capturing a CUDA
 graph, where unregistering is illegal, is the pointer left to the module's next call. A storage is also
 unregistered when the budget needs its room, when the budget is lowered (at the next pipelined call), and by
