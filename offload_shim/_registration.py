@@ -134,7 +134,7 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     cap = _cap()
-    if cap <= 0 and not _registered and not _freed_pointers and not _released:
+    if cap <= 0 and not _registered and not _freed_pointers and not _released and not _deferred:
         return False  # (registration off: a few reads)
     storage = tensor.untyped_storage()
     pointer, nbytes = storage.data_ptr(), storage.nbytes()
@@ -151,7 +151,7 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
                     _registered.move_to_end(pointer)
                     return True
                 del _registered[pointer]  # another storage at that address, or this one resized
-                if entry[2].detach() is not None:  # (else its finalizer has unregistered it)
+                if entry[2].detach() is not None:  # (else its finalizer has run, or runs: it undoes the registration)
                     done.append(pointer)
             if cap <= 0 or nbytes > cap or storage in _failed or tensor.is_pinned():  # pinned by torch or others
                 return False
@@ -186,20 +186,19 @@ def _track(storage, pointer: int, nbytes: int) -> None:
 
 def _freed(pointer: int, pid: int) -> None:
     """The finalizer of a registered storage (see the module): unregister its memory as it is freed, without the
-    lock and without waiting; during this thread's CUDA graph capture, at the module's next call; in a child made by
-    ``fork()``, never (the registration is its parent's)."""
+    lock and without waiting; during this thread's CUDA graph capture, or where the driver refuses, at the module's
+    next call; in a child made by ``fork()``, never (the registration is its parent's)."""
     if pid != os.getpid():
         return
     try:
-        capturing = torch.cuda.is_current_stream_capturing()
-    except Exception:  # (the interpreter is shutting down: its end releases the registration)
-        return
-    if capturing:
-        _freed_pointers.append(pointer)
-        return
-    if int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0:
-        _clear_error()
-    _released.append(pointer)
+        if not torch.cuda.is_current_stream_capturing():
+            if int(torch.cuda.cudart().cudaHostUnregister(pointer)) == 0:
+                _released.append(pointer)
+                return
+            _clear_error()  # (refused: another thread's capture in global mode, say)
+    except Exception:  # (the interpreter shutting down)
+        pass
+    _freed_pointers.append(pointer)  # the module's next call unregisters it
 
 
 def _shrink(cap: int) -> list[int]:
@@ -212,7 +211,7 @@ def _shrink(cap: int) -> list[int]:
         storage = reference()
         if storage is not None:
             _evicted[storage] = True
-        if finalizer.detach() is not None:  # (else its finalizer has unregistered it)
+        if finalizer.detach() is not None:  # (else its finalizer has run, or runs: it undoes the registration)
             taken.append(pointer)
         total -= nbytes
     return taken
@@ -224,8 +223,9 @@ def _total() -> int:
 
 def _drain() -> list[int]:
     """Take freed storages off the table: those their finalizer unregistered (where the table still holds their
-    entry, not a later storage's at that address), and those left to this call, whose pointers it returns for
-    :func:`_unregister`."""
+    entry, not a later storage's at that address), and those it left to this call, whose pointers it returns for
+    :func:`_unregister` whether or not the table still holds them (an eviction may have taken the entry off while
+    the finalizer ran; the driver registers nothing else at an address it still holds)."""
     while _released:
         pointer = _released.pop()
         with _lock:
@@ -239,7 +239,7 @@ def _drain() -> list[int]:
             entry = _registered.pop(pointer, None)
         if entry is not None:
             entry[2].detach()  # (its finalizer has run, unless the pointer was queued by hand)
-            taken.append(pointer)
+        taken.append(pointer)
     return taken
 
 
@@ -247,7 +247,12 @@ def _unregister(pointers: list[int]) -> None:
     """Unregister ``pointers`` (no lock held): staging may still copy from or into them, so the host first waits for
     events recorded now on the streams it copies on, which follow every copy queued so far; during a CUDA graph
     capture (where waiting is illegal) they are queued again."""
-    pointers = pointers + [_deferred.pop() for _ in range(len(_deferred))]
+    pointers = list(pointers)
+    while _deferred:  # (another thread may take them first)
+        try:
+            pointers.append(_deferred.pop())
+        except IndexError:
+            break
     if not pointers:
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -859,15 +859,24 @@ def test_freed_storage_unregistered_by_its_finalizer(monkeypatch):
     """A registered storage is unregistered as it is freed, by its finalizer, once, and its table entry goes at the
     module's next call; freed while this thread captures a CUDA graph, it is unregistered at the next call instead;
     one evicted first (its finalizer detached) is unregistered by the eviction alone; in a child made by fork() the
-    finalizer does nothing. (Registering needs CUDA: the table's entries are made by the module's own _track, and
-    the driver's unregister calls are recorded.)"""
+    finalizer does nothing; freed during a capture while an eviction takes its entry off, or refused by the driver,
+    it is unregistered at the next call. (Registering needs CUDA: the table's entries are made by the module's own
+    _track, and the driver's unregister calls are recorded.)"""
     import os
     import types
 
     from offload_shim import _registration
 
-    unregistered, capturing = [], [False]
-    driver = types.SimpleNamespace(cudaHostUnregister=lambda pointer: unregistered.append(pointer) or 0)
+    unregistered, capturing, refusals = [], [False], [0]
+
+    def unregister(pointer):  # the driver's cudaHostUnregister: 0, or an error code while refusals last
+        if refusals[0]:
+            refusals[0] -= 1
+            return 900
+        unregistered.append(pointer)
+        return 0
+
+    driver = types.SimpleNamespace(cudaHostUnregister=unregister)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(_registration, "_unregister", lambda pointers: unregistered.extend(
@@ -898,6 +907,20 @@ def test_freed_storage_unregistered_by_its_finalizer(monkeypatch):
         assert taken == [pointer] and not _registration._registered
         del evicted
         assert unregistered == [] and not _registration._released  # its finalizer was detached
+        # Freed during a capture while an eviction takes its entry off (its finalizer no longer detachable): the
+        # next call still unregisters it. Refused by the driver (another thread's capture, say): the next call again.
+        for capture, refused in ((True, 0), (False, 1)):
+            freed = torch.empty(1024)
+            pointer = freed.data_ptr()
+            _registration._track(freed.untyped_storage(), pointer, freed.nbytes)
+            capturing[0], refusals[0] = capture, refused
+            del freed
+            with _registration._lock:
+                assert _registration._shrink(0) == []
+            capturing[0] = False
+            assert unregistered == [] and _registration._freed_pointers == [pointer], (capture, refused)
+            assert _registration.registered_bytes() == 0 and unregistered == [pointer], (capture, refused)
+            unregistered.clear()
         inherited = torch.empty(1024)
         _registration._track(inherited.untyped_storage(), inherited.data_ptr(), inherited.nbytes)
         child = os.fork()
