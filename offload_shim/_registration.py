@@ -9,22 +9,23 @@ A storage is registered at its second pipelined staging (a storage staged once, 
 never is), if it fits under the budget: :func:`budget` by default, half of the host's memory shared by the node's
 ranks. The least recently staged ones are unregistered to make room, and a storage unregistered so is registered
 again only into free room (storages reused in turn beyond the budget would otherwise be registered and unregistered
-at every call); one larger than the budget never is. A storage is unregistered as it is freed, by a finalizer on torch's storage
-object (which lives exactly as long as the storage): the driver keeps a range registered after its memory is
-unmapped (a new mapping there is refused as already registered), and a copy to or from a tensor the allocator
-later maps at that address may move the old pages, so the registration must go with the memory. The finalizer takes no lock (it may run under any) and waits for nothing (no
-staging copy can still use memory the shim no longer references); only where this thread is capturing a CUDA
-graph, where unregistering is illegal, is the pointer left to the module's next call. A storage is also
-unregistered when the budget needs its room, when the budget is lowered (at the next pipelined call), and by
-:func:`unregister_all` (which ``destroy_process_group()`` of every group and ``release_buffers()`` call); each
-registration is undone once, by its finalizer or, detaching it first, by one of these. Before memory still in use
-is unregistered, the host waits for events recorded on the streams that staging copies on
-(:func:`_groups.copy_streams`), which follow every copy queued so far: never for the whole device, never under the
-module's lock, and never while a stream of this thread captures a CUDA graph (the pointers wait for the next
-call). A registration that fails (the driver's limit, a container's) leaves
-the storage pageable, its calls take the bounce path, and one log line says so. Nothing is kept alive: the
-registry holds no reference to a storage. A child made by ``fork()`` starts with empty tables: the registrations
-are its parent's (the driver's, in the parent's context), which it neither uses nor undoes.
+at every call); one larger than the budget never is. A storage is unregistered as it is freed, by a finalizer on
+torch's storage object (which lives exactly as long as the storage): the driver keeps a range registered after its
+memory is unmapped (a new mapping there is refused as already registered), and a copy to or from a tensor the
+allocator later maps at that address may move the old pages, so the registration must go with the memory. The
+finalizer takes no lock (it may run under any) and waits for nothing (no staging copy can still use memory the shim
+no longer references); only where this thread is capturing a CUDA graph (where unregistering is illegal), or the
+driver refuses, is the pointer left to the module's next call. A storage resized since its registration (its old
+memory freed) has the old registration undone at its next pipelined call. A storage is also unregistered when the
+budget needs its room, when the budget is lowered (at the next pipelined call), and by :func:`unregister_all` (which
+``destroy_process_group()`` of every group and ``release_buffers()`` call); each registration is undone once, by its
+finalizer or, detaching it first, by one of these. Before memory still in use is unregistered, the host waits for
+events recorded on the streams that staging copies on (:func:`_groups.copy_streams`), which follow every copy queued
+so far: never for the whole device, never under the module's lock, and never while a stream of this thread captures
+a CUDA graph (the pointers wait for the next call). A registration that fails (the driver's limit, a container's)
+leaves the storage pageable, its calls take the bounce path, and one log line says so. Nothing is kept alive: the
+registry holds no reference to a storage. A child made by ``fork()`` starts with empty tables: the registrations are
+its parent's (the driver's, in the parent's context), which it neither uses nor undoes.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ _registered: collections.OrderedDict[int, tuple[weakref.ref, int, weakref.finali
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages staged once, not registered
 _failed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages whose registration failed
 _evicted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # unregistered for room: again only into free room
+_pointers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # registered storages -> the pointer registered
 _log = logging.getLogger("offload_shim")
 _logged_failure = False
 # Pointers of registered storages since freed, appended by their finalizer (which may run anywhere, under any lock;
@@ -145,10 +147,16 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
     try:
         with _lock:
             done += _shrink(cap)
+            moved = _pointers.pop(storage, pointer)
+            if moved != pointer:  # resized since it was registered: its old memory is freed, still registered
+                entry = _registered.pop(moved, None)
+                if entry is not None and entry[2].detach() is not None:
+                    done.append(moved)
             entry = _registered.get(pointer)
             if entry is not None:
                 if entry[0]() is storage and entry[1] == nbytes:
                     _registered.move_to_end(pointer)
+                    _pointers[storage] = pointer
                     return True
                 del _registered[pointer]  # another storage at that address, or this one resized
                 if entry[2].detach() is not None:  # (else its finalizer has run, or runs: it undoes the registration)
@@ -182,6 +190,7 @@ def _track(storage, pointer: int, nbytes: int) -> None:
     finalizer.atexit = False  # (the process's end releases its registrations)
     with _lock:
         _registered[pointer] = (weakref.ref(storage), nbytes, finalizer)
+        _pointers[storage] = pointer
 
 
 def _freed(pointer: int, pid: int) -> None:
@@ -300,6 +309,7 @@ def _forget_the_parents() -> None:
     _seen.clear()
     _failed.clear()
     _evicted.clear()
+    _pointers.clear()
     _released.clear()
     _freed_pointers.clear()
     _deferred.clear()

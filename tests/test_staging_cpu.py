@@ -860,7 +860,8 @@ def test_freed_storage_unregistered_by_its_finalizer(monkeypatch):
     module's next call; freed while this thread captures a CUDA graph, it is unregistered at the next call instead;
     one evicted first (its finalizer detached) is unregistered by the eviction alone; in a child made by fork() the
     finalizer does nothing; freed during a capture while an eviction takes its entry off, or refused by the driver,
-    it is unregistered at the next call. (Registering needs CUDA: the table's entries are made by the module's own
+    it is unregistered at the next call; resized (its old memory freed), its old registration is undone at its next
+    call. (Registering needs CUDA: the table's entries are made by the module's own
     _track, and the driver's unregister calls are recorded.)"""
     import os
     import types
@@ -921,6 +922,17 @@ def test_freed_storage_unregistered_by_its_finalizer(monkeypatch):
             assert unregistered == [] and _registration._freed_pointers == [pointer], (capture, refused)
             assert _registration.registered_bytes() == 0 and unregistered == [pointer], (capture, refused)
             unregistered.clear()
+        # Resized since its registration (its old memory freed): the old registration is undone at its next call.
+        resized = torch.empty(1024)
+        pointer = resized.data_ptr()
+        _registration._track(resized.untyped_storage(), pointer, resized.nbytes)
+        resized.resize_(1 << 20)
+        assert resized.data_ptr() != pointer
+        assert not _registration.register_for_staging(resized, torch.device("cuda"))  # (its first staging as it is)
+        assert unregistered == [pointer] and not _registration._registered, (unregistered, pointer)
+        unregistered.clear()
+        del resized
+        assert unregistered == [] and not _registration._released  # undone once
         inherited = torch.empty(1024)
         _registration._track(inherited.untyped_storage(), inherited.data_ptr(), inherited.nbytes)
         child = os.fork()
