@@ -292,9 +292,9 @@ def replay(capture: _Capture, tensor: torch.Tensor, address: int | None = None) 
 
 def bytes_at(address: int, nbytes: int) -> memoryview:
     """The ``nbytes`` bytes at host ``address`` as a writable memoryview that owns nothing: assigning one such view
-    to another of the same length copies the bytes, as ``memcpy`` of the two addresses does (a slice assignment
-    of 4 bytes took a quarter of ``ctypes.memmove``'s foreign call on one H200's host, a tenth on the CPU machine). Use it only while the memory is the tensor's whose
-    ``data_ptr()`` gave ``address``."""
+    to another of the same length copies the bytes, as ``memcpy`` of the two addresses does (a slice assignment of 4
+    bytes took a quarter of ``ctypes.memmove``'s foreign call on one H200's host, a tenth on the CPU machine). Use it
+    only while the memory is the tensor's whose ``data_ptr()`` gave ``address``."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 

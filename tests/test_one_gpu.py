@@ -514,9 +514,9 @@ def test_small_calls_replayed(nccl_rank):
 def check_pageable_memory_registered():
     """With a registration cap, a pageable tensor is registered at its second pipelined call and staged as pinned
     memory after that, with results equal to torch's call on a GPU copy; a registration that does not fit makes
-    room by unregistering the least recently staged; a freed storage is unregistered as it is freed; a registration that fails
-    leaves the call on the bounce path and no CUDA error behind; one freed during a CUDA graph capture is unregistered
-    after it."""
+    room by unregistering the least recently staged; a freed storage is unregistered as it is freed; a registration
+    that fails leaves the call on the bounce path and no CUDA error behind; one freed during a CUDA graph capture is
+    unregistered after it."""
     from offload_shim import _registration
 
     offload_shim.install()
@@ -692,16 +692,17 @@ def test_registration_by_default(nccl_rank):
     # Registered at their second calls; the third evicts the first, which then stays pageable: no churn.
     assert answers["in turn"][1:] == [[False, True, True]] * 3, answers["in turn"]
     assert answers["unregistered"] == (0, 0), answers["unregistered"]
-    assert answers["in a freed storage's pages"] == [(False, False), (True, True)], answers["in a freed storage's pages"]
+    pages = answers["in a freed storage's pages"]
+    assert pages == [(False, False), (True, True)], pages
     print("cudaHostUnregister while another stream runs a kernel: (that kernel done when it returned, seconds) =",
           answers["driver's unregister waits for the device"])
 
 
 def check_freed_registered_memory_reused():
-    """A registered storage freed while still registered (its pointer waits for the module's next call) and its
-    address given to a new tensor: torch's own copies into and out of the new tensor, before any call of the shim's,
-    and the shim's staged calls after, move the new tensor's own bytes (256 MiB: above glibc's mmap threshold, so the
-    memory is unmapped when freed and mapped again for the new tensor)."""
+    """A registered storage freed and its address given to a new tensor: torch's own copies into and out of the new
+    tensor, before any call of the shim's, and the shim's staged calls after, move the new tensor's own bytes (256
+    MiB: above glibc's mmap threshold, so the memory is unmapped when freed and mapped again for the new tensor; a
+    registration left in place past the free would make the driver copy the old pages)."""
     offload_shim.install()
     device = _accelerator()
     size = 64 << 20  # fp32 elements
