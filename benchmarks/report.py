@@ -53,11 +53,15 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, str]]:
             paired = r.get("paired_added_beyond_wrapt_cpu_seconds")
             if paired is not None:  # each round's on - wrapt, the median over rounds
                 rows.append((f"served path, {r['case']}: <= 0.5 us CPU beyond a wrapt pass-through",
-                             f"{us(paired)} us (median over {r['turns']} turns of the difference in a turn)",
+                             f"{us(paired)} us (median over " + (f"{r['turns']} turns of the difference in a turn)"
+                                                                 if "turns" in r else  # (paired blocks, before)
+                                                                 f"{r['rounds']} rounds' differences)"),
                              f"{us(r['median_shim_on_cpu_seconds'])} on, {us(r['median_shim_off_cpu_seconds'])} off, "
                              f"{us(r['median_wrapt_cpu_seconds'])} wrapt (medians per call); a wrapt pass-through adds "
-                             f"{us(r['paired_wrapt_pass_through_added_cpu_seconds'])}; a second pass-through beyond "
-                             f"the first (the method's own spread) {us(r.get('paired_second_pass_through_beyond_wrapt_cpu_seconds', float('nan')))}",
+                             f"{us(r['paired_wrapt_pass_through_added_cpu_seconds'])}"
+                             + ("" if "paired_second_pass_through_beyond_wrapt_cpu_seconds" not in r else
+                                f"; a second pass-through beyond the first (the method's own spread) "
+                                f"{us(r['paired_second_pass_through_beyond_wrapt_cpu_seconds'])}"),
                              "yes" if paired <= 0.5e-6 else "no"))
             else:  # a run from before the paired rounds
                 added = r.get("added_beyond_wrapt_cpu_seconds")
