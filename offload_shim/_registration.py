@@ -149,18 +149,14 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
             done += _shrink(cap)
             moved = _pointers.pop(storage, pointer)
             if moved != pointer:  # resized since it was registered: its old memory is freed, still registered
-                entry = _registered.pop(moved, None)
-                if entry is not None and entry[2].detach() is not None:
-                    done.append(moved)
+                done += _take_off(moved)
             entry = _registered.get(pointer)
             if entry is not None:
                 if entry[0]() is storage and entry[1] == nbytes:
                     _registered.move_to_end(pointer)
                     _pointers[storage] = pointer
                     return True
-                del _registered[pointer]  # another storage at that address, or this one resized
-                if entry[2].detach() is not None:  # (else its finalizer has run, or runs: it undoes the registration)
-                    done.append(pointer)
+                done += _take_off(pointer)  # another storage at that address, or this one resized
             if cap <= 0 or nbytes > cap or storage in _failed or tensor.is_pinned():  # pinned by torch or others
                 return False
             if storage in _evicted and _total() + nbytes > cap:  # unregistered for room once: only into free room
@@ -216,14 +212,21 @@ def _shrink(cap: int) -> list[int]:
     taken = []
     total = _total()
     while _registered and total > cap:
-        pointer, (reference, nbytes, finalizer) = _registered.popitem(last=False)
+        pointer, (reference, nbytes, _) = next(iter(_registered.items()))
         storage = reference()
         if storage is not None:
             _evicted[storage] = True
-        if finalizer.detach() is not None:  # (else its finalizer has run, or runs: it undoes the registration)
-            taken.append(pointer)
+        taken += _take_off(pointer)
         total -= nbytes
     return taken
+
+
+def _take_off(pointer: int) -> list[int]:
+    """Take ``pointer``'s entry off the table (lock held): ``[pointer]`` where the caller is to unregister it (its
+    finalizer detached), ``[]`` where there is none or its finalizer has run, or runs, and undoes the registration
+    itself."""
+    entry = _registered.pop(pointer, None)
+    return [pointer] if entry is not None and entry[2].detach() is not None else []
 
 
 def _total() -> int:
@@ -278,8 +281,8 @@ def unregister_all() -> None:
     """Unregister every storage staging registered."""
     taken = _drain()
     with _lock:
-        taken += [pointer for pointer, entry in _registered.items() if entry[2].detach() is not None]
-        _registered.clear()
+        for pointer in list(_registered):
+            taken += _take_off(pointer)
     _unregister(taken)
 
 
