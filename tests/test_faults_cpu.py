@@ -492,8 +492,11 @@ def test_buffers_outlive_no_group(fault_ranks):
     for buffers, growth in fault_ranks.run(check_buffers_outlive_no_group, rounds):
         # One pool: its slots, and a bounce buffer per slot for each direction (host memory is pageable here).
         assert buffers == 3 * _groups.SLOTS
-        # A pool a group would be 2 chunks each round (160 MiB); allow one pool's worth of allocator noise.
-        assert growth < 2 * chunk, growth
+        # A pool a group kept would be 2 chunks each round (160 MiB a span). The allocator's own retention is not a
+        # leak: glibc keeps up to its trim threshold (twice the mmap threshold, which rises to the 4 MiB chunk after
+        # the first free: 8 MiB) in each arena, and each group's lane threads may take another arena under load
+        # (8.1 MiB was seen once in CI). So allow a quarter of the leak: a pool kept in 5 rounds of 20 still fails.
+        assert growth < rounds * 2 * chunk // 4, growth
 
 
 
