@@ -41,8 +41,9 @@ Every environment variable offload_shim reads is named here, once.
     The most bytes of pageable host memory that staging may register with the accelerator (page-lock in place,
     ``cudaHostRegister``) at once, as a size (``0``, ``4GiB``). A pageable storage staged by a pipelined call for
     the second time is registered if it fits, the least recently staged ones making room (a storage unregistered
-    for room is registered again only into free room), and stays registered until its storage is freed or room is
-    needed; its later calls copy at pinned memory's speed. While registered, a storage is pinned memory to
+    for room is registered again only into free room), and stays registered until room is needed or no tensor uses
+    it any more (its memory is then kept until the next pipelined call unregisters it: never freed while
+    registered); its later calls copy at pinned memory's speed. While registered, a storage is pinned memory to
     everyone: ``is_pinned()`` is true, and the process's own ``non_blocking=True`` copies into or out of it no
     longer wait for the copy, as for any pinned tensor. Unset or empty: half of the host's memory (``MemTotal``, or
     the cgroup's ``memory.max`` if lower) divided by the node's ranks (``LOCAL_WORLD_SIZE``); ``0``: never.

@@ -9,23 +9,24 @@ A storage is registered at its second pipelined staging (a storage staged once, 
 never is), if it fits under the budget: :func:`budget` by default, half of the host's memory shared by the node's
 ranks. The least recently staged ones are unregistered to make room, and a storage unregistered so is registered
 again only into free room (storages reused in turn beyond the budget would otherwise be registered and unregistered
-at every call); one larger than the budget never is. A storage is unregistered as it is freed, by a finalizer on
-torch's storage object (which lives exactly as long as the storage): the driver keeps a range registered after its
-memory is unmapped (a new mapping there is refused as already registered), and a copy to or from a tensor the
-allocator later maps at that address may move the old pages, so the registration must go with the memory. The
-finalizer takes no lock (it may run under any) and waits for nothing (no staging copy can still use memory the shim
-no longer references); only where this thread is capturing a CUDA graph (where unregistering is illegal), or the
-driver refuses, is the pointer left to the module's next call. A storage resized since its registration (its old
-memory freed) has the old registration undone at its next pipelined call. A storage is also unregistered when the
-budget needs its room, when the budget is lowered (at the next pipelined call), and by :func:`unregister_all` (which
-``destroy_process_group()`` of every group and ``release_buffers()`` call); each registration is undone once, by its
-finalizer or, detaching it first, by one of these. Before memory still in use is unregistered, the host waits for
-events recorded on the streams that staging copies on (:func:`_groups.copy_streams`), which follow every copy queued
-so far: never for the whole device, never under the module's lock, and never while a stream of this thread captures
-a CUDA graph (the pointers wait for the next call). A registration that fails (the driver's limit, a container's)
-leaves the storage pageable, its calls take the bounce path, and one log line says so. Nothing is kept alive: the
-registry holds no reference to a storage. A child made by ``fork()`` starts with empty tables: the registrations are
-its parent's (the driver's, in the parent's context), which it neither uses nor undoes.
+at every call); one larger than the budget never is.
+
+Registered memory must be unregistered before it is freed: the driver keeps a range registered after its memory is
+unmapped, refuses a new mapping there, and may copy the old pages for a tensor the allocator later places at that
+address. So the table holds each registered storage, and a storage no tensor uses any more (torch's count of its
+users down to the table's own reference) is unregistered, then let go, at the next safe point, :func:`drain`: at
+the start of the next pipelined call, ``release_buffers()`` and ``destroy_process_group()`` of every group. Until
+then its memory stays allocated (the delay is the only cost: nothing is freed while registered, and nothing is
+unregistered from a finalizer, which would run wherever the last reference goes, under any lock, inside another
+thread's CUDA graph capture). The safe point unregisters a range only after events recorded on the streams that
+staging copies on (:func:`_groups.copy_streams`), which follow every copy queued so far, have completed: the host
+waits for them, never for the whole device, never under the module's lock, and never while this thread captures a
+CUDA graph (then the safe point is the next one). A storage also comes off the table when the budget needs its room
+or is lowered, when it is resized (its old memory freed by the resize: the one case where a registration outlives
+its memory, until the next safe point), and by :func:`unregister_all`; each registration is undone once. A
+registration that fails (the driver's limit, a container's) leaves the storage pageable, its calls take the bounce
+path, and one log line says so. A child made by ``fork()`` starts with empty tables: the registrations are its
+parent's (the driver's, in the parent's context), which it neither uses nor undoes.
 """
 
 from __future__ import annotations
@@ -43,22 +44,20 @@ import torch
 from offload_shim import _config, _groups
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, as torch's own stager registers
+_NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered: nothing left to undo
 
-_lock = threading.Lock()  # around the tables; never held while the device is synchronized or memory unregistered
-# data pointer -> (weak reference to the storage, bytes, its finalizer), least recently staged first
-_registered: collections.OrderedDict[int, tuple[weakref.ref, int, weakref.finalize]] = collections.OrderedDict()
+_lock = threading.Lock()  # around the tables; never held while memory is unregistered or events waited for
+# data pointer -> (the storage, bytes registered), least recently staged first. The table holds the storage, so its
+# memory is not freed before the safe point unregisters it.
+_registered: collections.OrderedDict[int, tuple[torch.UntypedStorage, int]] = collections.OrderedDict()
+# Taken off the table and still registered, ``(pointer, bytes, storage)``: unregistered, and the storage let go, by
+# the next safe point.
+_pending: list[tuple[int, int, torch.UntypedStorage]] = []
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages staged once, not registered
 _failed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages whose registration failed
 _evicted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # unregistered for room: again only into free room
-_pointers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # registered storages -> the pointer registered
 _log = logging.getLogger("offload_shim")
 _logged_failure = False
-# Pointers of registered storages since freed, appended by their finalizer (which may run anywhere, under any lock;
-# list.append is atomic): unregistered by it, their table entries dropped at the module's next call (_released); or,
-# freed during this thread's CUDA graph capture, unregistered at the next call (_freed_pointers).
-_released: list[int] = []
-_freed_pointers: list[int] = []
-_deferred: list[int] = []  # pointers taken off the table during a CUDA graph capture, unregistered after it
 
 
 BUDGET = "half of the host's memory (MemTotal, or the cgroup's memory.max where lower) over LOCAL_WORLD_SIZE"
@@ -123,51 +122,44 @@ def _cap() -> int:
 
 
 def registered_bytes() -> int:
-    """Bytes of pageable host memory registered now."""
-    _unregister(_drain())
+    """Bytes of pageable host memory registered now (storages no tensor uses any more included, until the next safe
+    point unregisters them)."""
     with _lock:
-        return _total()
+        return _total() + sum(nbytes for _, nbytes, _ in _pending)
 
 
 def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
-    """Whether ``tensor``'s storage (host memory, contiguous) is registered with ``device``'s runtime for
-    this call: already, or now at its second staging (see the module). ``False`` where the cap is 0, the device
-    is no CUDA device, or the storage is not (yet) registered."""
+    """Whether ``tensor``'s storage (host memory, contiguous) is registered with ``device``'s runtime for this call:
+    already, or now at its second staging (see the module). ``False`` where the cap is 0, the device is no CUDA
+    device, or the storage is not (yet) registered. The call's safe point (:func:`drain`) runs first."""
     if device.type != "cuda":
         return False
     cap = _cap()
-    if cap <= 0 and not _registered and not _freed_pointers and not _released and not _deferred:
+    if cap <= 0 and not (_registered or _pending):
         return False  # (registration off: a few reads)
+    with _lock:
+        _pending.extend(_shrink(cap))  # (a lowered budget)
+    drain()
     storage = tensor.untyped_storage()
     pointer, nbytes = storage.data_ptr(), storage.nbytes()
-    # Freed storages first: until unregistered, their pages stay registered, and a tensor the allocator has since
-    # placed in them would look pinned (``is_pinned``) and be passed over as "pinned by others".
-    _unregister(_drain())
-    done = []
-    try:
-        with _lock:
-            done += _shrink(cap)
-            moved = _pointers.pop(storage, pointer)
-            if moved != pointer:  # resized since it was registered: its old memory is freed, still registered
-                done += _take_off(moved)
-            entry = _registered.get(pointer)
-            if entry is not None:
-                if entry[0]() is storage and entry[1] == nbytes:
-                    _registered.move_to_end(pointer)
-                    _pointers[storage] = pointer
-                    return True
-                done += _take_off(pointer)  # another storage at that address, or this one resized
-            if cap <= 0 or nbytes > cap or storage in _failed or tensor.is_pinned():  # pinned by torch or others
-                return False
-            if storage in _evicted and _total() + nbytes > cap:  # unregistered for room once: only into free room
-                return False
-            if storage not in _seen:
-                _seen[storage] = True
-                return False
-            del _seen[storage]
-            done += _shrink(cap - nbytes)
-    finally:
-        _unregister(done)  # outside the lock: it waits for the copies queued on them
+    with _lock:
+        entry = _registered.get(pointer)
+        if entry is not None and entry[0] is storage and entry[1] == nbytes:
+            _registered.move_to_end(pointer)
+            return True
+        if cap <= 0 or nbytes > cap or storage in _failed or tensor.is_pinned():  # pinned by torch or others
+            return False
+        if storage in _evicted and _total() + nbytes > cap:  # unregistered for room once: only into free room
+            return False
+        if storage not in _seen:
+            _seen[storage] = True
+            return False
+        del _seen[storage]
+        _pending.extend(_shrink(cap - nbytes))
+    drain()  # (the room made, before registering into it)
+    with _lock:
+        if any(start < pointer + nbytes and pointer < start + size for start, size, _ in _pending):
+            return False  # (a range the safe point could not undo yet, in the way: the driver would refuse it)
     code = int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _PORTABLE))
     if code != 0:
         _clear_error()
@@ -175,115 +167,84 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
             _failed[storage] = True
         _log_failure(code, nbytes)
         return False
-    _track(storage, pointer, nbytes)
+    with _lock:
+        _registered[pointer] = (storage, nbytes)
     return True
 
 
-def _track(storage, pointer: int, nbytes: int) -> None:
-    """Enter ``storage``, registered at ``pointer`` for ``nbytes``, in the table, with the finalizer that unregisters
-    it when it is freed (holding the pointer only, not the storage)."""
-    finalizer = weakref.finalize(storage, _freed, pointer, os.getpid())
-    finalizer.atexit = False  # (the process's end releases its registrations)
-    with _lock:
-        _registered[pointer] = (weakref.ref(storage), nbytes, finalizer)
-        _pointers[storage] = pointer
-
-
-def _freed(pointer: int, pid: int) -> None:
-    """The finalizer of a registered storage (see the module): unregister its memory as it is freed, without the
-    lock and without waiting; during this thread's CUDA graph capture, or where the driver refuses, at the module's
-    next call; in a child made by ``fork()``, never (the registration is its parent's)."""
-    if pid != os.getpid():
-        return
-    try:
-        if not torch.cuda.is_current_stream_capturing():
-            if int(torch.cuda.cudart().cudaHostUnregister(pointer)) == 0:
-                _released.append(pointer)
-                return
-            _clear_error()  # (refused: another thread's capture in global mode, say)
-    except Exception:  # (the interpreter shutting down)
-        pass
-    _freed_pointers.append(pointer)  # the module's next call unregisters it
-
-
-def _shrink(cap: int) -> list[int]:
+def _shrink(cap: int) -> list[tuple[int, int, torch.UntypedStorage]]:
     """Take the least recently staged storages off the table until at most ``cap`` bytes are registered (lock held);
-    returns their pointers, for :func:`_unregister`."""
+    returns them, for :data:`_pending`."""
     taken = []
     total = _total()
     while _registered and total > cap:
-        pointer, (reference, nbytes, _) = next(iter(_registered.items()))
-        storage = reference()
-        if storage is not None:
-            _evicted[storage] = True
-        taken += _take_off(pointer)
+        pointer, (storage, nbytes) = _registered.popitem(last=False)
+        _evicted[storage] = True
+        taken.append((pointer, nbytes, storage))
         total -= nbytes
     return taken
-
-
-def _take_off(pointer: int) -> list[int]:
-    """Take ``pointer``'s entry off the table (lock held): ``[pointer]`` where the caller is to unregister it (its
-    finalizer detached), ``[]`` where there is none or its finalizer has run, or runs, and undoes the registration
-    itself."""
-    entry = _registered.pop(pointer, None)
-    return [pointer] if entry is not None and entry[2].detach() is not None else []
 
 
 def _total() -> int:
     return sum(entry[1] for entry in _registered.values())
 
 
-def _drain() -> list[int]:
-    """Take freed storages off the table: those their finalizer unregistered (where the table still holds their
-    entry, not a later storage's at that address), and those it left to this call, whose pointers it returns for
-    :func:`_unregister` whether or not the table still holds them (an eviction may have taken the entry off while
-    the finalizer ran; the driver registers nothing else at an address it still holds)."""
-    while _released:
-        pointer = _released.pop()
-        with _lock:
-            entry = _registered.get(pointer)
-            if entry is not None and entry[0]() is None:
-                del _registered[pointer]
-    taken = []
-    while _freed_pointers:
-        pointer = _freed_pointers.pop()
-        with _lock:
-            entry = _registered.pop(pointer, None)
-        if entry is not None:
-            entry[2].detach()  # (its finalizer has run, unless the pointer was queued by hand)
-        taken.append(pointer)
-    return taken
+@functools.lru_cache(maxsize=None)
+def _held_only_by_its_object() -> int:
+    """Torch's count of a storage's users when only its Python object holds it: measured (a storage whose tensor is
+    gone), not assumed."""
+    storage = torch.empty(1).untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata)
 
 
-def _unregister(pointers: list[int]) -> None:
-    """Unregister ``pointers`` (no lock held): staging may still copy from or into them, so the host first waits for
-    events recorded now on the streams it copies on, which follow every copy queued so far; during a CUDA graph
-    capture (where waiting is illegal) they are queued again."""
-    pointers = list(pointers)
-    while _deferred:  # (another thread may take them first)
-        try:
-            pointers.append(_deferred.pop())
-        except IndexError:
-            break
-    if not pointers:
+def _unused(storage: torch.UntypedStorage, pointer: int, nbytes: int) -> bool:
+    """Whether no tensor uses ``storage`` any more, or its memory is no longer the range registered (resized)."""
+    return (torch._C._storage_Use_Count(storage._cdata) <= _held_only_by_its_object()
+            or storage.data_ptr() != pointer or storage.nbytes() != nbytes)
+
+
+def drain() -> None:
+    """The safe point (see the module): take off the table the storages no tensor uses any more (and those resized),
+    then unregister every range taken off, after events recorded now on the streams staging copies on have
+    completed (the host waits for them, off the lock), and let their storages go. Nothing while this thread captures
+    a CUDA graph; a range the driver refuses to unregister (another thread's capture in global mode, say) is kept
+    for the next safe point. Reads the table only where nothing is registered or pending."""
+    if not (_registered or _pending):
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        _deferred.extend(pointers)  # (off the table already: undone by the next call outside the capture)
         return
-    for event in [stream.record_event() for stream in _groups.copy_streams()]:
-        event.synchronize()
-    for pointer in pointers:
-        if int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0:
-            _clear_error()
+    with _lock:
+        for pointer, (storage, nbytes) in list(_registered.items()):
+            if _unused(storage, pointer, nbytes):
+                del _registered[pointer]
+                _pending.append((pointer, nbytes, storage))
+        taken = list(_pending)
+        _pending.clear()
+    if not taken:
+        return
+    refused = []
+    try:
+        for event in [stream.record_event() for stream in _groups.copy_streams()]:
+            event.synchronize()
+        while taken:
+            pointer, nbytes, storage = taken.pop()
+            code = int(torch.cuda.cudart().cudaHostUnregister(pointer))
+            if code != 0:
+                _clear_error()
+                if code != _NOT_REGISTERED:
+                    refused.append((pointer, nbytes, storage))
+    finally:  # (interrupted: the ranges not yet undone are kept, none is lost)
+        with _lock:
+            _pending.extend(refused + taken)
 
 
 def unregister_all() -> None:
-    """Unregister every storage staging registered."""
-    taken = _drain()
+    """Unregister every storage staging registered, as the safe point does (:func:`drain`); during this thread's
+    CUDA graph capture, at the next safe point after it."""
     with _lock:
-        for pointer in list(_registered):
-            taken += _take_off(pointer)
-    _unregister(taken)
+        _pending.extend((pointer, nbytes, storage) for pointer, (storage, nbytes) in _registered.items())
+        _registered.clear()
+    drain()
 
 
 def _log_failure(code: int, nbytes: int) -> None:
@@ -308,14 +269,11 @@ def _forget_the_parents() -> None:
     """In a child made by ``fork()``: the tables describe the parent's registrations; the child forgets them."""
     global _lock
     _lock = threading.Lock()  # (another thread of the parent may have held it at the fork)
-    _registered.clear()
+    _registered.clear()  # (the storages let go: the child's copies of their memory are its own to free)
+    _pending.clear()
     _seen.clear()
     _failed.clear()
     _evicted.clear()
-    _pointers.clear()
-    _released.clear()
-    _freed_pointers.clear()
-    _deferred.clear()
 
 
 os.register_at_fork(after_in_child=_forget_the_parents)

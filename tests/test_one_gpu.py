@@ -23,10 +23,10 @@ Run: ``python -m pytest -o addopts="" -m gpu tests/test_one_gpu.py`` (skipped wi
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import logging
 import time
+import weakref
 
 import pytest
 import torch
@@ -514,9 +514,10 @@ def test_small_calls_replayed(nccl_rank):
 def check_pageable_memory_registered():
     """With a registration cap, a pageable tensor is registered at its second pipelined call and staged as pinned
     memory after that, with results equal to torch's call on a GPU copy; a registration that does not fit makes
-    room by unregistering the least recently staged; a freed storage is unregistered as it is freed; a registration
-    that fails leaves the call on the bounce path and no CUDA error behind; one freed during a CUDA graph capture is
-    unregistered after it."""
+    room by unregistering the least recently staged; a storage whose last tensor goes is kept, registered, until the
+    next pipelined call unregisters it and lets it go; a registration that fails leaves the call on the bounce path
+    and no CUDA error behind; nothing is unregistered during a CUDA graph capture, the first safe point after it
+    does."""
     from offload_shim import _registration
 
     offload_shim.install()
@@ -544,10 +545,9 @@ def check_pageable_memory_registered():
         check(second)
         assert second.is_pinned() and not first.is_pinned() and _registration.registered_bytes() == 32 << 20
         check(second)
-        pointer = second.data_ptr()
-        del second  # its storage is freed: unregistered by its finalizer, at once
-        assert _registration._released == [pointer], (_registration._released, pointer)
-        assert _registration.registered_bytes() == 0
+        storage = weakref.ref(second.untyped_storage())
+        del second  # its last tensor gone: kept, registered, until the next pipelined call
+        assert storage() is not None and _registration.registered_bytes() == 32 << 20
         # Its last page registered by someone else: the shim's registration fails, the call takes the bounce path.
         third = torch.empty(4 << 18)
         last_page = third.data_ptr() + third.nbytes - 4096
@@ -560,7 +560,7 @@ def check_pageable_memory_registered():
             assert not third.is_pinned()
             for _ in range(3):
                 check(third)
-            assert _registration.registered_bytes() == 0
+            assert _registration.registered_bytes() == 0 and storage() is None
             failures = [r.getMessage() for r in records if "cudaHostRegister failed" in r.getMessage()]
             assert len(failures) == 1 and records[0].levelno == logging.WARNING, failures
             torch.ones(4, device=device).add_(1)  # no stale CUDA error reported by torch's launch check
@@ -583,11 +583,11 @@ def check_pageable_memory_registered():
             scratch = torch.zeros(4, device=device)
             with torch.cuda.graph(graph, stream=side):
                 scratch.add_(1)
-                del first  # its finalizer leaves it to the module's next call
-                assert _registration._freed_pointers, "unregistered during the capture"
-                _registration.registered_bytes()  # (waiting for the device here would end the capture)
-                assert _registration._deferred, "unregistered during the capture"
-        assert _registration.registered_bytes() == 0 and not _registration._deferred
+                del first
+                _registration.drain()  # a safe point during the capture does nothing (waiting would end it)
+                assert _registration.registered_bytes() == 8 << 20, "unregistered during the capture"
+        _registration.drain()
+        assert _registration.registered_bytes() == 0
         graph.replay()
         torch.accelerator.synchronize()
         assert scratch.tolist() == [1.0] * 4
@@ -646,6 +646,7 @@ def check_registration_by_default():
             with torch.cuda.stream(side):
                 torch.cuda._sleep(2_000_000_000)  # about a second
             del cycle, tensor
+            _registration.drain()
             left = _registration.registered_bytes()
         answers["unregistered"] = (left, len(device_waits) + len(accelerator_waits))
         torch.accelerator.synchronize()
@@ -658,26 +659,6 @@ def check_registration_by_default():
         torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
         answers["driver's unregister waits for the device"] = (sleeping.query(), time.perf_counter() - start)
         torch.accelerator.synchronize()
-    # A tensor that the allocator placed in the pages of a registered storage freed during a CUDA graph capture (its
-    # pointer left to the module's next call) is not passed over as pinned by others: the freed storage is
-    # unregistered first, and the tensor is registered at its own second call. (The freeing is simulated: the tensor
-    # shares the memory of a live storage, whose pointer is queued as its finalizer queues it during a capture.)
-    with configured(chunk_bytes="1MiB", register_bytes="8MiB"):
-        first = torch.ones(1 << 19)
-        for _ in range(2):
-            dist.all_reduce(first)
-        assert first.is_pinned()
-        buffer = (ctypes.c_byte * first.nbytes).from_address(first.data_ptr())
-        alias = torch.frombuffer(buffer, dtype=torch.float32)
-        _registration._freed_pointers.append(first.data_ptr())
-        seen = []
-        for _ in range(2):
-            dist.all_reduce(alias)
-            seen.append((alias.is_pinned(), first.is_pinned()))
-        answers["in a freed storage's pages"] = seen
-        del alias
-        _registration.registered_bytes()  # (the alias's registration undone before the memory's owner goes)
-        del first
     return answers
 
 
@@ -692,17 +673,18 @@ def test_registration_by_default(nccl_rank):
     # Registered at their second calls; the third evicts the first, which then stays pageable: no churn.
     assert answers["in turn"][1:] == [[False, True, True]] * 3, answers["in turn"]
     assert answers["unregistered"] == (0, 0), answers["unregistered"]
-    pages = answers["in a freed storage's pages"]
-    assert pages == [(False, False), (True, True)], pages
     print("cudaHostUnregister while another stream runs a kernel: (that kernel done when it returned, seconds) =",
           answers["driver's unregister waits for the device"])
 
 
 def check_freed_registered_memory_reused():
-    """A registered storage freed and its address given to a new tensor: torch's own copies into and out of the new
-    tensor, before any call of the shim's, and the shim's staged calls after, move the new tensor's own bytes (256
-    MiB: above glibc's mmap threshold, so the memory is unmapped when freed and mapped again for the new tensor; a
-    registration left in place past the free would make the driver copy the old pages)."""
+    """A registered storage whose last tensor goes keeps its memory, registered, until the next pipelined call
+    unregisters it and lets it go; then a new tensor given its address is moved right by torch's own copies into and
+    out of it, and by the shim's staged calls (256 MiB: above glibc's mmap threshold, so the memory is unmapped when
+    freed and mapped again for the new tensor; a registration left in place past the free would make the driver copy
+    the old pages)."""
+    from offload_shim import _registration
+
     offload_shim.install()
     device = _accelerator()
     size = 64 << 20  # fp32 elements
@@ -713,12 +695,17 @@ def check_freed_registered_memory_reused():
             dist.all_reduce(first)
         answers["registered"] = first.is_pinned()
         address = first.data_ptr()
+        storage = weakref.ref(first.untyped_storage())
         del first
+        answers["kept until the safe point"] = storage() is not None
+        dist.all_reduce(torch.ones(8 << 20))  # a pipelined call: its safe point unregisters and lets the storage go
+        answers["let go"] = storage() is None and _registration.registered_bytes() == 0
         again = [torch.empty(size) for _ in range(3)]
         reused = next((t for t in again if t.data_ptr() == address), None)
         answers["address reused"] = reused is not None
         if reused is not None:
-            reused.copy_(torch.full((size,), 7.0, device=device))  # D2H by torch, before the shim's next call
+            answers["pinned"] = reused.is_pinned()
+            reused.copy_(torch.full((size,), 7.0, device=device))  # D2H by torch
             answers["torch D2H"] = bool(reused.eq(7.0).all())
             answers["torch H2D"] = bool(reused.to(device).eq(7.0).all())
             reused.fill_(3.0)
@@ -732,8 +719,8 @@ def test_freed_registered_memory_reused(nccl_rank):
     assert answers["registered"], answers
     if not answers["address reused"]:
         pytest.skip(f"the allocator gave the freed address to none of the new tensors: {answers}")
-    assert answers == {"registered": True, "address reused": True, "torch D2H": True, "torch H2D": True,
-                       "staged": True}, answers
+    assert answers == {"registered": True, "kept until the safe point": True, "let go": True, "address reused": True,
+                       "pinned": False, "torch D2H": True, "torch H2D": True, "staged": True}, answers
 
 
 def check_nccl_writes_what_gloo_refuses():

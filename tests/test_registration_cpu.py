@@ -1,0 +1,227 @@
+"""Registration of reused pageable storages (``_registration``), its bookkeeping run on CPU with the driver's calls
+recorded: registering needs CUDA, so ``torch.cuda.cudart()`` is a recording driver here, and the copy streams are
+recording streams whose events say when the host waited for them. The registrations themselves, the copies at pinned
+speed and the driver's behaviour are checked on one GPU (``test_one_gpu.py``)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import types
+import weakref
+
+import pytest
+import torch
+
+from offload_shim import _groups, _registration
+
+MIB = 1 << 20
+CUDA = torch.device("cuda")
+
+
+class Driver:
+    """``torch.cuda.cudart()`` and the copy streams, recorded: every call in order, with whether the module's lock
+    was held at the time; ``refuse`` error codes returned by the next unregister calls."""
+
+    def __init__(self):
+        self.calls, self.refuse, self.capturing, self.register_error = [], [], False, 0
+
+    def cudaHostRegister(self, pointer, nbytes, flags):
+        self.calls.append(("register", pointer, nbytes, _registration._lock.locked()))
+        return self.register_error
+
+    def cudaHostUnregister(self, pointer):
+        self.calls.append(("unregister", pointer, _registration._lock.locked()))
+        return self.refuse.pop(0) if self.refuse else 0
+
+    def streams(self):
+        driver = self
+
+        class Event:
+            def synchronize(self):
+                driver.calls.append(("event waited", _registration._lock.locked()))
+
+        return [types.SimpleNamespace(record_event=Event)]
+
+    def unregistered(self):
+        return [call[1] for call in self.calls if call[0] == "unregister"]
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    recorded = Driver()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: recorded)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: recorded.capturing)
+    monkeypatch.setattr(_groups, "copy_streams", recorded.streams)
+
+    def device_wide(*args, **kwargs):
+        raise AssertionError("the device synchronized")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.accelerator, "synchronize", device_wide)
+    monkeypatch.setattr(_registration, "_cap", lambda: 64 * MIB)
+    yield recorded
+    _registration._registered.clear()
+    _registration._pending.clear()
+
+
+def registered(tensor, calls=2):
+    """Stage ``tensor`` ``calls`` times as a pipelined call does; whether it is registered after."""
+    answers = [_registration.register_for_staging(tensor, CUDA) for _ in range(calls)]
+    return answers[-1]
+
+
+def test_registered_at_its_second_staging_and_kept_while_used(driver):
+    """A storage is registered at its second staging, not its first, with its own range, off the lock; its later
+    stagings find it registered; and the table holds its storage, so its memory outlives its last tensor until the
+    safe point has unregistered it."""
+    tensor = torch.ones(MIB // 4)
+    pointer = tensor.data_ptr()
+    assert not _registration.register_for_staging(tensor, CUDA) and driver.calls == []
+    assert _registration.register_for_staging(tensor, CUDA)
+    assert driver.calls == [("register", pointer, MIB, False)]
+    assert _registration.register_for_staging(tensor, CUDA) and len(driver.calls) == 1
+    assert _registration.registered_bytes() == MIB
+
+
+def test_freed_storage_unregistered_at_the_next_safe_point_not_by_a_finalizer(driver):
+    """A registered storage whose last tensor goes is neither unregistered nor freed there (no finalizer does
+    anything; its memory stays allocated); the next safe point waits for the copy streams' events, off the lock, then
+    unregisters it, off the lock, once, and only then lets the storage go. A storage still used by a view is kept."""
+    tensor = torch.ones(MIB // 4)
+    pointer = tensor.data_ptr()
+    assert registered(tensor)
+    storage = weakref.ref(tensor.untyped_storage())
+    view = tensor[1:]
+    del tensor
+    gc.collect()
+    _registration.drain()
+    assert driver.unregistered() == [] and storage() is not None  # a view still uses it
+    del view
+    gc.collect()
+    assert driver.calls[1:] == [] and storage() is not None  # nothing done at the free: memory kept allocated
+    assert _registration.registered_bytes() == MIB
+    _registration.drain()
+    assert driver.calls[1:] == [("event waited", False), ("unregister", pointer, False)], driver.calls
+    assert storage() is None and _registration.registered_bytes() == 0  # let go after, and freed
+    _registration.drain()
+    assert len(driver.calls) == 3  # undone once
+
+
+def test_no_unregistering_during_a_capture(driver):
+    """During this thread's CUDA graph capture the safe point does nothing; the first one after it unregisters."""
+    tensor = torch.ones(MIB // 4)
+    pointer = tensor.data_ptr()
+    assert registered(tensor)
+    del tensor
+    driver.capturing = True
+    _registration.drain()
+    _registration.unregister_all()
+    assert driver.unregistered() == [] and _registration.registered_bytes() == MIB
+    driver.capturing = False
+    _registration.drain()
+    assert driver.unregistered() == [pointer]
+
+
+def test_refused_unregistering_kept_for_the_next_safe_point(driver):
+    """A range the driver refuses to unregister (another thread's capture in global mode, say) stays registered
+    and pending, its storage held, until a later safe point undoes it; one the driver no longer holds (713) is not
+    retried."""
+    tensor = torch.ones(MIB // 4)
+    pointer = tensor.data_ptr()
+    assert registered(tensor)
+    storage = weakref.ref(tensor.untyped_storage())
+    del tensor
+    driver.refuse = [900]
+    _registration.drain()
+    assert driver.unregistered() == [pointer] and storage() is not None and _registration.registered_bytes() == MIB
+    _registration.drain()
+    assert driver.unregistered() == [pointer] * 2 and storage() is None and _registration.registered_bytes() == 0
+    again = torch.ones(MIB // 4)
+    assert registered(again)
+    del again
+    driver.refuse = [_registration._NOT_REGISTERED]
+    _registration.drain()
+    _registration.drain()
+    assert len(driver.unregistered()) == 3 and not _registration._pending
+
+
+def test_resized_storage_old_range_unregistered(driver):
+    """A registered storage resized (its old memory freed by the resize) has its old range unregistered at the next
+    safe point, and the storage in its new memory is registered afresh at its own second staging after."""
+    tensor = torch.ones(MIB // 4)
+    old = tensor.data_ptr()
+    assert registered(tensor)
+    tensor.resize_(MIB)
+    assert tensor.data_ptr() != old
+    assert not _registration.register_for_staging(tensor, CUDA)  # its safe point: the old range undone first
+    assert driver.unregistered() == [old] and _registration.registered_bytes() == 0
+    assert _registration.register_for_staging(tensor, CUDA)
+    assert driver.calls[-1] == ("register", tensor.data_ptr(), 4 * MIB, False)
+
+
+def test_budget_unregisters_the_least_recently_staged(driver, monkeypatch):
+    """Registering beyond the budget unregisters the least recently staged storage first (before the new range is
+    registered); a storage unregistered for room is registered again only into free room; a lowered budget
+    unregisters at the next staging; one larger than the budget never is registered."""
+    monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
+    a, b, c = (torch.ones(MIB // 4) for _ in range(3))
+    assert registered(a) and registered(b)
+    assert registered(a, calls=1)  # a is now the most recently staged
+    assert registered(c)
+    names = {a.data_ptr(): "a", b.data_ptr(): "b", c.data_ptr(): "c"}
+    order = [(call[0], names[call[1]]) for call in driver.calls if call[0] != "event waited"]
+    assert order == [("register", "a"), ("register", "b"), ("unregister", "b"), ("register", "c")], order
+    assert not registered(b, calls=3)  # evicted once: only into free room
+    monkeypatch.setattr(_registration, "_cap", lambda: 0)
+    assert not _registration.register_for_staging(a, CUDA)
+    assert sorted(names[p] for p in driver.unregistered()) == ["a", "b", "c"] and _registration.registered_bytes() == 0
+    monkeypatch.setattr(_registration, "_cap", lambda: MIB // 2)
+    assert not registered(torch.ones(MIB // 4), calls=3)
+
+
+def test_failed_registration_logs_once_and_stays_pageable(driver, caplog):
+    """A failed cudaHostRegister (a driver's or container's limit) leaves the storage unregistered, is not retried
+    for it, and logs one warning for the process, never an error."""
+    driver.register_error = 2  # cudaErrorMemoryAllocation
+    _registration._logged_failure = False
+    with caplog.at_level(logging.WARNING, logger="offload_shim"):
+        first, second = torch.ones(MIB // 4), torch.ones(MIB // 4)
+        assert not registered(first, calls=4) and not registered(second, calls=4)
+    assert [call[0] for call in driver.calls] == ["register", "register"]  # once for each storage
+    warnings = [r for r in caplog.records if "cudaHostRegister failed" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert _registration.registered_bytes() == 0
+
+
+def test_bookkeeping_flat_over_many_calls(driver):
+    """1,000 stagings of fresh storages register nothing and leave nothing behind; 1,000 of one reused storage keep
+    one registration of its size."""
+    for _ in range(1000):
+        assert not _registration.register_for_staging(torch.ones(1024), CUDA)
+    gc.collect()
+    assert _registration.registered_bytes() == 0 and len(_registration._seen) == 0 and driver.calls == []
+    reused = torch.ones(1024)
+    for _ in range(1000):
+        _registration.register_for_staging(reused, CUDA)
+    assert _registration.registered_bytes() == reused.nbytes and len(driver.calls) == 1
+
+
+def test_fork_child_neither_uses_nor_undoes_the_parents_registrations(driver):
+    """A child made by fork() starts with empty tables: its staging finds nothing registered, and its safe points
+    and frees call the driver for none of the parent's registrations; the parent's table is untouched."""
+    tensor = torch.ones(MIB // 4)
+    assert registered(tensor)
+    before = len(driver.calls)
+    child = os.fork()
+    if child == 0:  # report through the exit status only
+        ok = not _registration._registered and _registration.registered_bytes() == 0
+        del tensor
+        _registration.drain()
+        _registration.unregister_all()
+        os._exit(0 if ok and len(driver.calls) == before else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert list(_registration._registered) == [tensor.data_ptr()] and len(driver.calls) == before
