@@ -163,6 +163,46 @@ def measure(calls: int, rounds: int) -> dict:
     return results
 
 
+def accelerator_decisions(calls: int, rounds: int) -> dict:
+    """The decision alone for accelerator tensors, which a CPU machine has none of: ``meta`` tensors (real
+    ``torch.Tensor`` objects that are not on the host), on a one-rank Gloo group; the shim's wrapper function against
+    a pass-through one, both around a function that does nothing, alternating blocks of ``calls``, each side's
+    minimum; in us per call. The wrapper's path is the one an NCCL group's GPU tensors take: handed to torch."""
+    import torch
+    import torch.distributed as dist
+
+    import offload_shim
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    offload_shim.install()
+    one, out = torch.ones(1, device="meta"), torch.empty(1, device="meta")
+    cases = {"all_reduce": (one,), "broadcast": (one, 0), "all_gather_into_tensor": (out, one),
+             "reduce_scatter_tensor": (out, one)}
+    noop = lambda *args, **kwargs: None  # noqa: E731
+
+    def passing_on(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    results = {}
+    for function, args in cases.items():
+        sides = {"shim": offload_shim.wrapped_functions()[f"torch.distributed.distributed_c10d.{function}"]._self_wrapper,
+                 "wrapt": passing_on}
+        best = dict.fromkeys(sides, float("inf"))
+        for round_ in range(rounds + 1):
+            for side, body in sides.items() if round_ % 2 else list(sides.items())[::-1]:
+                start = time.thread_time()
+                for _ in range(calls):
+                    body(noop, None, args, {})
+                if round_:  # round 0 is warm-up
+                    best[side] = min(best[side], (time.thread_time() - start) / calls)
+        results[f"{function}, accelerator tensors (meta)"] = (best["shim"] - best["wrapt"]) * 1e6
+    dist.destroy_process_group()
+    return results
+
+
 def counting(calls: int, rounds: int) -> float:
     """CPU time, in us, that counting adds to one staged call (see the module docstring)."""
     import torch
@@ -190,6 +230,7 @@ def main(argv=None) -> dict:
     os.environ.setdefault("OFFLOAD_SHIM", "1")
     results = {"calls_per_round": args.calls, "rounds": args.rounds, "cases": measure(args.calls, args.rounds)}
     results["counting_cpu_us_per_staged_call"] = counting(args.calls, args.rounds)
+    results["accelerator_decision_beyond_wrapt_cpu_us_per_call"] = accelerator_decisions(args.calls, args.rounds)
     for name, r in results["cases"].items():
         print(f"{name}, one element, one-rank Gloo group, in turn ({r['in_turn_calls']} calls each; medians of the "
               f"differences): the shim {r['in_turn_shim_beyond_wrapt_cpu_us_per_call']:.2f} us beyond a wrapt "
@@ -204,6 +245,9 @@ def main(argv=None) -> dict:
               f" us beyond wrapt, {r['shim_beyond_torch_median_cpu_us_per_call']:.2f} us beyond torch); host staging's decision "
               f"{r['host_staging_cpu_us_per_call']:.2f} us; the shim's decision alone, beyond a pass-through "
               f"wrapper, around a call that does nothing: {r['decision_beyond_wrapt_cpu_us_per_call']:.2f} us")
+    for name, added in results["accelerator_decision_beyond_wrapt_cpu_us_per_call"].items():
+        print(f"{name}: the shim's decision alone, beyond a pass-through wrapper, around a call that does nothing: "
+              f"{added:.2f} us")
     print(f"counting a staged call (decision's record and count), minimum of {args.rounds} rounds of {args.calls}: "
           f"CPU time {results['counting_cpu_us_per_staged_call']:.2f} us")
     if args.out:

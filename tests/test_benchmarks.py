@@ -28,3 +28,6 @@ def test_served_path_benchmark_reports_each_case(tmp_path):
             "shim_beyond_wrapt", "shim_beyond_torch", "wrapt_beyond_torch", "second_pass_through_beyond_wrapt"))
     assert result.stdout.count("added") == 4 and result.stdout.count("in turn") == 4
     assert report["counting_cpu_us_per_staged_call"] > 0 and "counting a staged call" in result.stdout
+    decisions = report["accelerator_decision_beyond_wrapt_cpu_us_per_call"]
+    assert sorted(decisions) == sorted(f"{name}, accelerator tensors (meta)" for name in report["cases"]), decisions
+    assert all(isinstance(value, float) for value in decisions.values()) and result.stdout.count("(meta)") == 4

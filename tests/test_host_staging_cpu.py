@@ -150,3 +150,66 @@ def test_torch_first_keeps_only_torchs_refusal_of_a_device_type():
         with pytest.raises(RuntimeError) as raised:
             _devices.torch_first(raising(refusal), (), {})
         assert raised.value is refusal
+
+
+def check_served_path_of_tensor_pairs():
+    """The wrapper of a collective of two tensors (``all_gather_into_tensor``), called as torch would call it (the
+    shim's wrapper function with torch's function in ``wrapped``): accelerator tensors, by position or by keyword, go
+    to torch once and come back as torch returned them; torch's refusal of their device type reaches the one decision
+    once, torch not called again (host staging on), or is raised as torch raised it (off); any other error of torch
+    propagates unchanged, after one call. (A device type the Gloo group has no backend for, as fake tensors.)"""
+    offload_shim.install()
+    wrapper = dist.all_gather_into_tensor._self_wrapper
+    device = next(d for d in ("mtia", "xpu") if _fake(d) is not None)  # one the Gloo group has no backend for
+    out, given = _fake(device, 2 * dist.get_world_size()), _fake(device, 2)
+    refusal = RuntimeError(f"No backend type associated with device type {device}")
+    other = RuntimeError("peer gone")
+    calls, decided = [], []
+
+    def torch_function(raising=None):
+        def call(*args, **kwargs):
+            calls.append((args, kwargs))
+            if raising is not None:
+                raise raising
+            return "torch's result"
+        return call
+
+    original_decide = _plan.decide
+
+    def decide(call):
+        decided.append(call.entry.name)
+        return None  # (nothing staged here: the wrapper then raises torch's refusal)
+
+    answers = {}
+    _plan.decide = decide
+    try:
+        for form, args, kwargs in (("positional", (out, given), {}),
+                                   ("keywords", (), {"output_tensor": out, "input_tensor": given})):
+            calls.clear()
+            answers[form, "served"] = (wrapper(torch_function(), None, args, kwargs), len(calls), list(decided))
+            for staging in (True, False):
+                calls.clear(), decided.clear()
+                with configured(host_staging=staging):
+                    try:
+                        wrapper(torch_function(refusal), None, args, kwargs)
+                    except RuntimeError as error:
+                        raised = error
+                answers[form, "refused", staging] = (raised is refusal, len(calls), list(decided))
+            calls.clear(), decided.clear()
+            try:
+                wrapper(torch_function(other), None, args, kwargs)
+            except RuntimeError as error:
+                raised = error
+            answers[form, "other error"] = (raised is other, len(calls), list(decided))
+    finally:
+        _plan.decide = original_decide
+    return answers
+
+
+def test_served_path_of_tensor_pairs(gloo_ranks):
+    for answers in gloo_ranks.run(check_served_path_of_tensor_pairs):
+        for form in ("positional", "keywords"):
+            assert answers[form, "served"] == ("torch's result", 1, []), answers
+            assert answers[form, "refused", True] == (True, 1, ["all_gather_into_tensor"]), answers
+            assert answers[form, "refused", False] == (True, 1, []), answers
+            assert answers[form, "other error"] == (True, 1, []), answers
