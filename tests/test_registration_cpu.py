@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import types
 import weakref
 
@@ -22,18 +23,31 @@ CUDA = torch.device("cuda")
 
 class Driver:
     """``torch.cuda.cudart()`` and the copy streams, recorded: every call in order, with whether the module's lock
-    was held at the time; ``refuse`` error codes returned by the next unregister calls."""
+    was held at the time. Like the driver, it holds the ranges registered: it refuses a range that overlaps one
+    (712) and answers 713 for a range it does not hold. ``refuse``: error codes for the next unregister calls;
+    ``before_register``: called inside each register call."""
 
     def __init__(self):
-        self.calls, self.refuse, self.capturing, self.register_error = [], [], False, 0
+        self.calls, self.ranges, self.refuse, self.capturing, self.register_error = [], {}, [], False, 0
+        self.before_register = None
+        self.freed_registered = []  # pointers of watched storages freed while their range was registered
 
     def cudaHostRegister(self, pointer, nbytes, flags):
+        if self.before_register is not None:
+            self.before_register(pointer, nbytes)
         self.calls.append(("register", pointer, nbytes, _registration._lock.locked()))
-        return self.register_error
+        if self.register_error:
+            return self.register_error
+        if any(start < pointer + nbytes and pointer < start + size for start, size in self.ranges.items()):
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+        self.ranges[pointer] = nbytes
+        return 0
 
     def cudaHostUnregister(self, pointer):
         self.calls.append(("unregister", pointer, _registration._lock.locked()))
-        return self.refuse.pop(0) if self.refuse else 0
+        if self.refuse:
+            return self.refuse.pop(0)
+        return 0 if self.ranges.pop(pointer, None) is not None else _registration._NOT_REGISTERED
 
     def streams(self):
         driver = self
@@ -46,6 +60,11 @@ class Driver:
 
     def unregistered(self):
         return [call[1] for call in self.calls if call[0] == "unregister"]
+
+    def watch(self, storage):
+        """Note if ``storage`` is freed while its range is registered."""
+        pointer = storage.data_ptr()
+        weakref.finalize(storage, lambda: pointer in self.ranges and self.freed_registered.append(pointer))
 
 
 @pytest.fixture
@@ -62,9 +81,13 @@ def driver(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
     monkeypatch.setattr(torch.accelerator, "synchronize", device_wide)
     monkeypatch.setattr(_registration, "_cap", lambda: 64 * MIB)
+    _registration._logged_failure = False
     yield recorded
+    assert recorded.freed_registered == [], "memory freed while registered"
     _registration._registered.clear()
     _registration._pending.clear()
+    for table in (_registration._seen, _registration._failed, _registration._evicted):
+        table.clear()
 
 
 def registered(tensor, calls=2):
@@ -186,7 +209,6 @@ def test_failed_registration_logs_once_and_stays_pageable(driver, caplog):
     """A failed cudaHostRegister (a driver's or container's limit) leaves the storage unregistered, is not retried
     for it, and logs one warning for the process, never an error."""
     driver.register_error = 2  # cudaErrorMemoryAllocation
-    _registration._logged_failure = False
     with caplog.at_level(logging.WARNING, logger="offload_shim"):
         first, second = torch.ones(MIB // 4), torch.ones(MIB // 4)
         assert not registered(first, calls=4) and not registered(second, calls=4)
@@ -225,3 +247,118 @@ def test_fork_child_neither_uses_nor_undoes_the_parents_registrations(driver):
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert list(_registration._registered) == [tensor.data_ptr()] and len(driver.calls) == before
+
+
+def test_interruptions_lose_no_registration(driver, monkeypatch):
+    """An exception (a KeyboardInterrupt) at any step of the safe point or of a registration leaves no range
+    registered that the tables do not hold: the storage is not freed while registered, and a later safe point
+    undoes the range."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    # In the safe point, before the driver is reached, and after a refusal (in clearing the driver's error).
+    for step in ("cudart", "clear error"):
+        tensor = torch.ones(MIB // 4)
+        assert registered(tensor)
+        driver.watch(tensor.untyped_storage())
+        del tensor
+        with monkeypatch.context() as patch:
+            if step == "cudart":
+                patch.setattr(torch.cuda, "cudart", interrupted)
+            else:
+                driver.refuse = [900]
+                patch.setattr(_registration, "_clear_error", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                _registration.drain()
+        gc.collect()
+        assert driver.freed_registered == [] and _registration.registered_bytes() == MIB, step
+        _registration.drain()
+        assert driver.ranges == {} and _registration.registered_bytes() == 0, step
+    # Just after the driver registered the range.
+    tensor = torch.ones(MIB // 4)
+    _registration.register_for_staging(tensor, CUDA)
+    driver.watch(tensor.untyped_storage())
+    register = driver.cudaHostRegister
+
+    def then_interrupted(pointer, nbytes, flags):  # the driver's call done, the shim interrupted on its return
+        register(pointer, nbytes, flags)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(driver, "cudaHostRegister", then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            _registration.register_for_staging(tensor, CUDA)
+    assert driver.ranges == {tensor.data_ptr(): MIB} and _registration.registered_bytes() == MIB
+    del tensor
+    gc.collect()
+    _registration.drain()
+    assert driver.ranges == {} and _registration.registered_bytes() == 0
+    # While the budget evicts (marking a storage evicted).
+    kept = [torch.ones(MIB // 4) for _ in range(2)]
+    assert all(registered(t) for t in kept)
+    for t in kept:
+        driver.watch(t.untyped_storage())
+
+    class Interrupting(weakref.WeakKeyDictionary):
+        def __setitem__(self, key, value):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_registration, "_evicted", Interrupting())
+    monkeypatch.setattr(_registration, "_cap", lambda: MIB)
+    with pytest.raises(KeyboardInterrupt):
+        _registration.register_for_staging(kept[1], CUDA)
+    del kept
+    gc.collect()
+    _registration.unregister_all()
+    assert driver.ranges == {} and _registration.registered_bytes() == 0
+
+
+def test_concurrent_registrations_keep_the_budget_and_do_not_race(driver, monkeypatch, caplog):
+    """Threads registering at once stay within the budget together; two threads staging one storage register it
+    once, neither failing nor logging."""
+    monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
+    tensors = [torch.ones(2 * MIB // 4) for _ in range(4)]  # each fills the budget alone
+    for tensor in tensors:
+        _registration.register_for_staging(tensor, CUDA)  # (first staging: seen)
+    inside = threading.Barrier(2, timeout=5)
+    driver.before_register = lambda pointer, nbytes: inside.wait()
+    threads = [threading.Thread(target=_registration.register_for_staging, args=(t, CUDA)) for t in tensors[:2]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(driver.ranges.values()) <= 2 * MIB and _registration.registered_bytes() <= 2 * MIB, driver.ranges
+    monkeypatch.setattr(_registration, "_cap", lambda: 64 * MIB)
+    one = torch.ones(MIB // 4)
+    _registration.register_for_staging(one, CUDA)
+    started, go = threading.Event(), threading.Event()
+
+    def slow(pointer, nbytes):
+        started.set()
+        go.wait(5)
+
+    driver.before_register = slow
+    with caplog.at_level(logging.WARNING, logger="offload_shim"):
+        first = threading.Thread(target=_registration.register_for_staging, args=(one, CUDA))
+        first.start()
+        started.wait(5)
+        driver.before_register = None
+        _registration.register_for_staging(one, CUDA)  # meanwhile, the same storage from this thread
+        go.set()
+        first.join()
+    assert [c[0] for c in driver.calls].count("register") == 3 and one.data_ptr() in driver.ranges
+    assert one.untyped_storage() not in _registration._failed and not caplog.records
+
+
+def test_failed_registration_gives_back_the_room_it_took(driver, monkeypatch):
+    """A registration that fails after making room leaves the storages it evicted free to come back at their next
+    stagings (not held to free room), and the budget is not left idle for long."""
+    monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
+    a, b, c = (torch.ones(MIB // 4) for _ in range(3))
+    assert registered(a) and registered(b)
+    driver.register_error = 1
+    assert not registered(c)
+    driver.register_error = 0
+    assert a.untyped_storage() not in _registration._evicted and c.untyped_storage() in _registration._failed
+    assert registered(a) and _registration.registered_bytes() == 2 * MIB
