@@ -195,7 +195,39 @@ def c10d_wrapper(entry: _table.Collective):
                 return wrapped(*args, **kwargs)
             return stage(wrapped, args, kwargs, group, refused)
 
-        return wrapper
+        if not (lazy and not callers and len(entry.args) == 2 and all(a.form == _table.TENSOR for a in entry.args)):
+            return wrapper
+        first_at, second_at = (parameters.position(a.name) for a in entry.args)
+        last = max(first_at, second_at)
+
+        def pair(wrapped, instance, args, kwargs):
+            # Two tensors given by position (all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single), the
+            # usual call, both on an accelerator or both on the host: the general pass's answer in fewer reads
+            # (accelerator tensors go to torch at once, as in_place's do). Any other call: the general pass.
+            if len(args) > last:
+                first, second = args[first_at], args[second_at]
+                if isinstance(first, Tensor) and isinstance(second, Tensor):
+                    host = first.is_cpu
+                    if host is second.is_cpu:
+                        refused = None
+                        if not host:
+                            try:  # torch first (_devices.torch_first, inline)
+                                return wrapped(*args, **kwargs)
+                            except RuntimeError as error:
+                                if not _devices.sends_to_host(error):
+                                    raise
+                                refused = error
+                        group = _devices.resolve_c10d_group(
+                            args[group_at] if len(args) > group_at else kwargs.get("group"))
+                        if group is None or (_devices.host_calls_served(group) if host else
+                                             _devices.accelerator_call_served(group, first.device.type, label)):
+                            if refused is not None:
+                                raise refused
+                            return wrapped(*args, **kwargs)
+                        return stage(wrapped, args, kwargs, group, refused)
+            return wrapper(wrapped, instance, args, kwargs)
+
+        return pair
 
     return make
 

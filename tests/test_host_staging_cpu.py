@@ -157,7 +157,9 @@ def check_served_path_of_tensor_pairs():
     shim's wrapper function with torch's function in ``wrapped``): accelerator tensors, by position or by keyword, go
     to torch once and come back as torch returned them; torch's refusal of their device type reaches the one decision
     once, torch not called again (host staging on), or is raised as torch raised it (off); any other error of torch
-    propagates unchanged, after one call. (A device type the Gloo group has no backend for, as fake tensors.)"""
+    propagates unchanged, after one call; host tensors go to torch at once where the group serves them, else reach
+    the decision, as a host tensor beside an accelerator's does. By position (the short path) and by keyword (the
+    general pass) alike. (A device type the Gloo group has no backend for, as fake tensors.)"""
     offload_shim.install()
     wrapper = dist.all_gather_into_tensor._self_wrapper
     device = next(d for d in ("mtia", "xpu") if _fake(d) is not None)  # one the Gloo group has no backend for
@@ -201,6 +203,16 @@ def check_served_path_of_tensor_pairs():
             except RuntimeError as error:
                 raised = error
             answers[form, "other error"] = (raised is other, len(calls), list(decided))
+        # Host tensors (served by Gloo, or forced through the decision), and a host tensor beside an accelerator's.
+        host_out, host_in = torch.zeros(2 * dist.get_world_size()), torch.ones(2)
+        for case, pair, settings in (("host", (host_out, host_in), {}),
+                                     ("host, always_stage", (host_out, host_in), {"always_stage": True}),
+                                     ("mixed", (host_out, given), {})):
+            for form, args, kwargs in (("positional", pair, {}),
+                                       ("keywords", (), {"output_tensor": pair[0], "input_tensor": pair[1]})):
+                calls.clear(), decided.clear()
+                with configured(**settings):
+                    answers[form, case] = (wrapper(torch_function(), None, args, kwargs), len(calls), list(decided))
     finally:
         _plan.decide = original_decide
     return answers
@@ -213,3 +225,6 @@ def test_served_path_of_tensor_pairs(gloo_ranks):
             assert answers[form, "refused", True] == (True, 1, ["all_gather_into_tensor"]), answers
             assert answers[form, "refused", False] == (True, 1, []), answers
             assert answers[form, "other error"] == (True, 1, []), answers
+            assert answers[form, "host"] == ("torch's result", 1, []), answers
+            for case in ("host, always_stage", "mixed"):  # the decision reached (it stages nothing here)
+                assert answers[form, case] == ("torch's result", 1, ["all_gather_into_tensor"]), answers
