@@ -104,6 +104,34 @@ def test_row_3_full_tensor_with_and_without_grad_placements(gloo_ranks):
     gloo_ranks.run(check_full_tensor_with_and_without_grad_placements)
 
 
+def check_two_tensors_by_position_or_by_keyword():
+    """``all_gather_into_tensor`` and ``reduce_scatter_tensor`` given their tensors by position on rank 0 (the
+    served path's two-tensor pass) and by keyword on the others (the general pass), staged through the CPU, small
+    and in 1 MiB chunks: torch's results on every rank."""
+    group, world = _group(), dist.get_world_size()
+    results = []
+    for elements in (4, 2 * MiB):  # 16 bytes a rank; 8 MiB a rank, 8 chunks
+        given = rank_input((elements,), torch.float32, seed=7)
+        gathered, scattered = torch.empty(world * elements), torch.empty(elements // world or 1)
+        parts = rank_input((world * (elements // world or 1),), torch.float32, seed=8)
+        want_gathered = _torch(lambda t: dist.all_gather_into_tensor(t, given, group=group), gathered)
+        want_scattered = _torch(lambda t: dist.reduce_scatter_tensor(t, parts, group=group), scattered)
+        with staging_through_cpu(chunk_bytes=MiB) as decisions:
+            if dist.get_rank() == 0:
+                dist.all_gather_into_tensor(gathered, given, group)
+                dist.reduce_scatter_tensor(scattered, parts, dist.ReduceOp.SUM, group)
+            else:
+                dist.all_gather_into_tensor(output_tensor=gathered, input_tensor=given, group=group)
+                dist.reduce_scatter_tensor(output=scattered, input=parts, group=group)
+        results.append((decisions, same_bits(gathered, want_gathered), same_bits(scattered, want_scattered)))
+    return results
+
+
+def test_two_tensors_by_position_or_by_keyword(gloo_ranks):
+    for results in gloo_ranks.run(check_two_tensors_by_position_or_by_keyword):
+        assert results == [(["cpu", "cpu"], True, True)] * 2, results
+
+
 def check_chunk_size_on_one_rank():
     """Row 4: a chunk size of 1 MiB on rank 0, the default on the others, at their first staged call on a group:
     the same clear error on every rank, before anything is sent; returns the error and how long it took."""
