@@ -22,15 +22,16 @@ thread's CUDA graph capture). The safe point unregisters a range only after even
 staging copies on (:func:`_groups.copy_streams`), which follow every copy queued so far, have completed: the host
 waits for them, never for the whole device, never under the module's lock, and never while this thread captures a
 CUDA graph (then the safe point is the next one). A storage also comes off the table when the budget needs its room
-or is lowered, and by :func:`unregister_all`; each registration is undone once (a range the driver no longer holds
-answers 713, and is dropped). Torch can replace a storage's memory in place (``resize_``, ``share_memory_()``): the
+or is lowered (ranges not yet undone count against it), and by :func:`unregister_all`. A range stays pending, its
+storage held, until the driver has undone it (a range it no longer holds answers 713, and is dropped). Torch can
+replace a storage's memory in place (``resize_``, ``share_memory_()``): the
 old memory is then freed while registered, a safe point undoes the old range where the address or the size changed,
 and nothing can tell where new memory came back at the same address and size; registration is not for storages
 resized between their stagings (docs/operations.md). A registration is entered on the table before the driver's
-call, and a range is taken off it only once it is pending: an exception at any step leaves no registered range the
-tables do not hold. A
-registration that fails (the driver's limit, a container's) leaves the storage pageable, its calls take the bounce
-path, and one log line says so. A child made by ``fork()`` starts with empty tables: the registrations are its
+call (one at a time for a range; it is not evicted while the call is under way), and a range leaves the table only
+once it is pending: an exception at any step leaves no registered range the tables do not hold. A registration that
+fails (the driver's limit, a container's) leaves the storage pageable, its calls take the bounce path, and one log
+line says so. A child made by ``fork()`` starts with empty tables: the registrations are its
 parent's (the driver's, in the parent's context), which it neither uses nor undoes.
 """
 
@@ -51,14 +52,14 @@ from offload_shim import _config, _groups
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, as torch's own stager registers
 _NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered: nothing left to undo
 
-_lock = threading.Lock()  # around the tables; never held while memory is unregistered or events waited for
+_lock = threading.Lock()  # around the tables; never held while memory is registered or unregistered, nor events waited
 # data pointer -> (the storage, bytes registered), least recently staged first. The table holds the storage, so its
 # memory is not freed before the safe point unregisters it.
 _registered: collections.OrderedDict[int, tuple[torch.UntypedStorage, int]] = collections.OrderedDict()
 # Taken off the table and still registered, ``(pointer, bytes, storage)``: unregistered, and the storage let go, by
-# the next safe point; those a safe point is unregistering now.
+# the next safe point, which drops each only once the driver has undone it.
 _pending: list[tuple[int, int, torch.UntypedStorage]] = []
-_leaving: list[tuple[int, int, torch.UntypedStorage]] = []
+_registering: set[int] = set()  # pointers whose registration is under way (the driver's call in flight)
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages staged once, not registered
 _failed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages whose registration failed
 _evicted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # unregistered for room: again only into free room
@@ -131,7 +132,7 @@ def registered_bytes() -> int:
     """Bytes of pageable host memory registered now (storages no tensor uses any more included, until the next safe
     point unregisters them)."""
     with _lock:
-        return _total() + sum(nbytes for _, nbytes, _ in (*_pending, *_leaving))
+        return _total()
 
 
 def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
@@ -148,64 +149,74 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
     drain()
     storage = tensor.untyped_storage()
     pointer, nbytes = storage.data_ptr(), storage.nbytes()
-    with _lock:
-        entry = _registered.get(pointer)
-        if entry is not None and entry[0] is storage and entry[1] == nbytes:
-            _registered.move_to_end(pointer)
-            return True  # (or being registered by another thread: its copies judge by the driver's answer)
-        if cap <= 0 or nbytes > cap or storage in _failed or tensor.is_pinned():  # pinned by torch or others
-            return False
-        if storage in _evicted and _total() + nbytes > cap:  # unregistered for room once: only into free room
-            return False
-        if storage not in _seen:
-            _seen[storage] = True
-            return False
-        del _seen[storage]
-        evicted = _shrink(cap - nbytes)
-        # On the table before the driver's call: the budget counts it, no other thread registers it too, and an
-        # interruption leaves no registration untracked (a failed one's entry is dropped; one left behind is
-        # unregistered as unused later, the driver answering that it holds nothing).
-        _registered[pointer] = (storage, nbytes)
-    drain()  # (the room made, before registering into it)
-    with _lock:
-        blocked = _overlaps(pointer, nbytes)
-    code = 0 if blocked else int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _PORTABLE))
-    if blocked or code != 0:
+    under_way = False
+    try:
         with _lock:
-            if _registered.get(pointer, (None,))[0] is storage:
-                del _registered[pointer]
-            for each in evicted:  # evicted for nothing: back at their next stagings
-                _evicted.pop(each, None)
-            if code != 0:
-                _failed[storage] = True
-        if code != 0:
-            _clear_error()
-            _log_failure(code, nbytes)
-        return False
-    with _lock:
-        kept = _registered.get(pointer, (None,))[0] is storage
-        if not kept:  # evicted by another thread's registration meanwhile: undone at once
-            _pending.append((pointer, nbytes, storage))
-    if not kept:
+            if pointer in _registering:  # another thread is registering this memory: its answer stands
+                return False
+            entry = _registered.get(pointer)
+            if entry is not None and entry[0] is storage and entry[1] == nbytes:
+                _registered.move_to_end(pointer)
+                return True
+            if cap <= 0 or nbytes > cap or storage in _failed or tensor.is_pinned():  # pinned by torch or others
+                return False
+            if storage in _evicted and _total() + nbytes > cap:  # unregistered for room once: only into free room
+                return False
+            if storage not in _seen:
+                _seen[storage] = True
+                return False
+            del _seen[storage]
+            evicted = _shrink(cap - nbytes)
+            # On the table before the driver's call: the budget counts it, and an interruption leaves no
+            # registration untracked (one left behind is unregistered as unused, the driver answering 713).
+            mine = (storage, nbytes)
+            under_way = True
+            _registering.add(pointer)
+            _registered[pointer] = mine
+        drain()  # (the room made, before registering into it)
+        with _lock:  # a range not yet undone in the way (the driver would refuse it), or room still held
+            blocked = _overlaps(pointer, nbytes) or _total() > cap
+        code = 0 if blocked else int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _PORTABLE))
+        with _lock:
+            kept = not blocked and code == 0 and _registered.get(pointer) is mine
+            if blocked or code != 0:
+                if _registered.get(pointer) is mine:
+                    del _registered[pointer]
+                for each in evicted:  # evicted for nothing: back at their next stagings
+                    _evicted.pop(each, None)
+                if code != 0:
+                    _failed[storage] = True
+            elif not kept:  # taken off meanwhile (unregister_all in another thread): undone at once
+                _pending.append((pointer, nbytes, storage))
+    finally:
+        if under_way:
+            with _lock:
+                _registering.discard(pointer)
+    if code != 0:
+        _clear_error()
+        _log_failure(code, nbytes)
+    elif not kept and not blocked:
         drain()
     return kept
 
 
 def _overlaps(pointer: int, nbytes: int) -> bool:
     """Whether a range taken off the table and not yet unregistered overlaps ``nbytes`` at ``pointer`` (lock held):
-    the old range of a resized storage, where the allocator has since placed other memory (the driver would refuse
-    to register it)."""
-    return any(start < pointer + nbytes and pointer < start + size for start, size, _ in (*_pending, *_leaving))
+    the old range of a resized storage, where the allocator has since placed other memory."""
+    return any(start < pointer + nbytes and pointer < start + size for start, size, _ in _pending)
 
 
 def _shrink(cap: int) -> list[torch.UntypedStorage]:
     """Take the least recently staged storages off the table, into :data:`_pending`, until at most ``cap`` bytes are
-    registered (lock held); returns those storages. (Each is pending before it leaves the table: an interruption
-    loses none.)"""
+    registered, pending ones included (lock held); returns those storages. Each is pending before it leaves the
+    table (an interruption loses none); one whose registration is under way stays."""
     evicted = []
     total = _total()
-    while _registered and total > cap:
-        pointer, (storage, nbytes) = next(iter(_registered.items()))
+    for pointer, (storage, nbytes) in list(_registered.items()):
+        if total <= cap:
+            break
+        if pointer in _registering:
+            continue
         _pending.append((pointer, nbytes, storage))
         del _registered[pointer]
         _evicted[storage] = True
@@ -215,7 +226,8 @@ def _shrink(cap: int) -> list[torch.UntypedStorage]:
 
 
 def _total() -> int:
-    return sum(entry[1] for entry in _registered.values())
+    """Bytes registered: on the table and pending (lock held)."""
+    return sum(entry[1] for entry in _registered.values()) + sum(entry[1] for entry in _pending)
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,42 +246,36 @@ def _unused(storage: torch.UntypedStorage, pointer: int, nbytes: int) -> bool:
 
 def drain() -> None:
     """The safe point (see the module): take off the table the storages no tensor uses any more (and those resized),
-    then unregister every range taken off, after events recorded now on the streams staging copies on have
-    completed (the host waits for them, off the lock), and let their storages go. Nothing while this thread captures
-    a CUDA graph; a range the driver refuses to unregister (another thread's capture in global mode, say), or one an
-    interruption leaves, is kept for the next safe point. Reads two lists where nothing is registered or pending.
-    (A live storage evicted while another thread's call copies from it: that thread may queue a copy after the
-    events are recorded; the driver's unregister returns only once the device's queued work is done, seen on one
-    H200, and copies queued after it take the pageable path.)"""
+    then unregister every range pending, after events recorded now on the streams staging copies on have completed
+    (the host waits for them, off the module's lock), and let their storages go. Nothing while this thread captures
+    a CUDA graph. A range stays pending until the driver has undone it (two threads' safe points may both ask; the
+    second is answered 713, and its storage, held by both, is not freed before): one it refuses to unregister (another thread's capture in global mode,
+    say), or that an interruption leaves, waits for the next safe point. Reads two containers where nothing is
+    registered or pending. (A live storage evicted while another thread's call copies from it: that thread may queue
+    a copy after the events are recorded; the driver's unregister returns only once the device's queued work is
+    done, seen on one H200, and copies queued after it take the pageable path.)"""
     if not (_registered or _pending):
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return
     with _lock:
         for pointer, (storage, nbytes) in list(_registered.items()):
-            if _unused(storage, pointer, nbytes):
+            if pointer not in _registering and _unused(storage, pointer, nbytes):
                 _pending.append((pointer, nbytes, storage))
                 del _registered[pointer]
         taken = list(_pending)
-        _leaving.extend(taken)  # (another thread's safe point leaves them alone; _overlaps still sees them)
-        _pending.clear()
     if not taken:
         return
-    undone = set()
-    try:
-        for event in [stream.record_event() for stream in _groups.copy_streams()]:
-            event.synchronize()
-        for item in taken:
-            code = int(torch.cuda.cudart().cudaHostUnregister(item[0]))
-            if code in (0, _NOT_REGISTERED):  # (713: the driver holds nothing there)
-                undone.add(id(item))
-            if code != 0:
-                _clear_error()
-    finally:
-        with _lock:
-            for item in taken:
-                _leaving.remove(item)
-            _pending.extend(item for item in taken if id(item) not in undone)
+    for event in [stream.record_event() for stream in _groups.copy_streams()]:
+        event.synchronize()
+    for item in taken:
+        code = int(torch.cuda.cudart().cudaHostUnregister(item[0]))
+        if code != 0:
+            _clear_error()
+        if code in (0, _NOT_REGISTERED):  # (713: the driver holds nothing there; another safe point undid it)
+            with _lock:
+                if item in _pending:
+                    _pending.remove(item)
 
 
 def unregister_all() -> None:
@@ -305,7 +311,7 @@ def _forget_the_parents() -> None:
     _lock = threading.Lock()  # (another thread of the parent may have held it at the fork)
     _registered.clear()  # (the storages let go: the child's copies of their memory are its own to free)
     _pending.clear()
-    _leaving.clear()
+    _registering.clear()
     _seen.clear()
     _failed.clear()
     _evicted.clear()

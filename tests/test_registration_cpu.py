@@ -5,7 +5,9 @@ speed and the driver's behaviour are checked on one GPU (``test_one_gpu.py``).""
 
 from __future__ import annotations
 
+import ast
 import gc
+import itertools
 import logging
 import os
 import threading
@@ -67,33 +69,65 @@ class Driver:
         weakref.finalize(storage, lambda: pointer in self.ranges and self.freed_registered.append(pointer))
 
 
-@pytest.fixture
-def driver(monkeypatch):
-    recorded = Driver()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: recorded)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: recorded.capturing)
-    monkeypatch.setattr(_groups, "copy_streams", recorded.streams)
+def install(recorded: Driver, patch) -> None:
+    """Put ``recorded`` in the driver's place, with ``patch`` (a pytest monkeypatch), and the budget at 64 MiB."""
+    patch.setattr(torch.cuda, "cudart", lambda: recorded)
+    patch.setattr(torch.cuda, "is_available", lambda: True)
+    patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: recorded.capturing)
+    patch.setattr(_groups, "copy_streams", recorded.streams)
 
     def device_wide(*args, **kwargs):
         raise AssertionError("the device synchronized")
 
-    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
-    monkeypatch.setattr(torch.accelerator, "synchronize", device_wide)
-    monkeypatch.setattr(_registration, "_cap", lambda: 64 * MIB)
+    patch.setattr(torch.cuda, "synchronize", device_wide)
+    patch.setattr(torch.accelerator, "synchronize", device_wide)
+    patch.setattr(_registration, "_cap", lambda: 64 * MIB)
     _registration._logged_failure = False
-    yield recorded
-    assert recorded.freed_registered == [], "memory freed while registered"
+
+
+def forget_everything() -> None:
     _registration._registered.clear()
     _registration._pending.clear()
+    _registration._registering.clear()
     for table in (_registration._seen, _registration._failed, _registration._evicted):
         table.clear()
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    recorded = Driver()
+    install(recorded, monkeypatch)
+    yield recorded
+    assert recorded.freed_registered == [], "memory freed while registered"
+    forget_everything()
 
 
 def registered(tensor, calls=2):
     """Stage ``tensor`` ``calls`` times as a pipelined call does; whether it is registered after."""
     answers = [_registration.register_for_staging(tensor, CUDA) for _ in range(calls)]
     return answers[-1]
+
+
+def while_registering(driver, tensor, then):
+    """Stage ``tensor`` in another thread, held inside the driver's register call while this thread runs
+    ``then()``; returns what ``then()`` returns, once that thread is done."""
+    started, go = threading.Event(), threading.Event()
+
+    def held(pointer, nbytes):
+        if threading.current_thread().name == "held":
+            started.set()
+            go.wait(5)
+
+    driver.before_register = held
+    other = threading.Thread(target=_registration.register_for_staging, args=(tensor, CUDA), name="held")
+    other.start()
+    try:
+        assert started.wait(5)
+        return then()
+    finally:
+        go.set()
+        other.join()
+        driver.before_register = None
 
 
 def test_registered_at_its_second_staging_and_kept_while_used(driver):
@@ -315,40 +349,26 @@ def test_interruptions_lose_no_registration(driver, monkeypatch):
 
 
 def test_concurrent_registrations_keep_the_budget_and_do_not_race(driver, monkeypatch, caplog):
-    """Threads registering at once stay within the budget together; two threads staging one storage register it
-    once, neither failing nor logging."""
+    """A registration in another thread while one is under way stays within the budget together with it (the one
+    under way counts, and cannot be evicted); two threads staging one storage register it once, neither failing nor
+    logging."""
     monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
-    tensors = [torch.ones(2 * MIB // 4) for _ in range(4)]  # each fills the budget alone
+    tensors = [torch.ones(2 * MIB // 4) for _ in range(2)]  # each fills the budget alone
     for tensor in tensors:
         _registration.register_for_staging(tensor, CUDA)  # (first staging: seen)
-    inside = threading.Barrier(2, timeout=5)
-    driver.before_register = lambda pointer, nbytes: inside.wait()
-    threads = [threading.Thread(target=_registration.register_for_staging, args=(t, CUDA)) for t in tensors[:2]]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert sum(driver.ranges.values()) <= 2 * MIB and _registration.registered_bytes() <= 2 * MIB, driver.ranges
+
+    assert not while_registering(driver, tensors[0], lambda: _registration.register_for_staging(tensors[1], CUDA))
+    assert driver.ranges == {tensors[0].data_ptr(): 2 * MIB} and _registration.registered_bytes() == 2 * MIB
     monkeypatch.setattr(_registration, "_cap", lambda: 64 * MIB)
     one = torch.ones(MIB // 4)
     _registration.register_for_staging(one, CUDA)
-    started, go = threading.Event(), threading.Event()
-
-    def slow(pointer, nbytes):
-        started.set()
-        go.wait(5)
-
-    driver.before_register = slow
     with caplog.at_level(logging.WARNING, logger="offload_shim"):
-        first = threading.Thread(target=_registration.register_for_staging, args=(one, CUDA))
-        first.start()
-        started.wait(5)
-        driver.before_register = None
-        _registration.register_for_staging(one, CUDA)  # meanwhile, the same storage from this thread
-        go.set()
-        first.join()
-    assert [c[0] for c in driver.calls].count("register") == 3 and one.data_ptr() in driver.ranges
+        # (the other thread's registration is under way: its answer stands)
+        assert not while_registering(driver, one, lambda: _registration.register_for_staging(one, CUDA))
+    registers = [call[1] for call in driver.calls if call[0] == "register"]
+    assert registers == [tensors[0].data_ptr(), one.data_ptr()] and one.data_ptr() in driver.ranges, registers
     assert one.untyped_storage() not in _registration._failed and not caplog.records
+    assert _registration.register_for_staging(one, CUDA)
 
 
 def test_failed_registration_gives_back_the_room_it_took(driver, monkeypatch):
@@ -362,3 +382,117 @@ def test_failed_registration_gives_back_the_room_it_took(driver, monkeypatch):
     driver.register_error = 0
     assert a.untyped_storage() not in _registration._evicted and c.untyped_storage() in _registration._failed
     assert registered(a) and _registration.registered_bytes() == 2 * MIB
+
+
+def test_stale_answer_of_a_registration_raced_by_eviction(driver, monkeypatch, caplog):
+    """A registration under way is not evicted by another thread's registration (which then waits for room), so
+    it is neither undone behind its back nor answered by a second registration of the same memory."""
+    monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
+    small, large = torch.ones(MIB // 4), torch.ones(2 * MIB // 4)
+    _registration.register_for_staging(small, CUDA)
+    _registration.register_for_staging(large, CUDA)
+    with caplog.at_level(logging.WARNING, logger="offload_shim"):
+        answers = while_registering(
+            driver, small, lambda: [_registration.register_for_staging(t, CUDA) for t in (large, small, small)])
+    assert answers == [False, False, False] and driver.ranges == {small.data_ptr(): MIB}, (answers, driver.ranges)
+    assert list(_registration._registered) == [small.data_ptr()] and not caplog.records
+    assert small.untyped_storage() not in _registration._failed
+
+
+def test_budget_counts_ranges_not_yet_undone(driver, monkeypatch):
+    """Ranges taken off the table but not yet unregistered (the driver refused) still count against the budget: no
+    new registration into room they hold."""
+    monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
+    old = torch.ones(2 * MIB // 4)
+    assert registered(old)
+    del old
+    driver.refuse = [900] * 3
+    new = torch.ones(2 * MIB // 4)
+    assert not registered(new)
+    assert sum(driver.ranges.values()) == 2 * MIB and _registration.registered_bytes() == 2 * MIB
+    _registration.drain()
+    assert driver.ranges == {} and registered(new) and _registration.registered_bytes() == 2 * MIB
+
+
+def test_an_interruption_at_any_line_loses_no_registration(monkeypatch):
+    """A KeyboardInterrupt raised at each line the module runs in turn (each scenario run once for each line, until
+    it runs through): right after it, every range the driver holds is on the table or pending; once the program goes
+    on (its tensors dropped, safe points, unregister_all), nothing stays registered, no storage was freed while
+    registered, and the tables are empty."""
+    import sys
+
+    source = _registration.__file__
+    with open(source) as module:
+        tree = ast.parse(module.read())
+    # Lines where an injected exception would land where CPython delivers no signal: a with statement's line, which
+    # the tracer sees again on the way out, before the context manager's exit; a finally clause's lines (a signal
+    # is delivered there only once a call has returned, the cleanup it made done).
+    untouched = {node.lineno for node in ast.walk(tree) if isinstance(node, ast.With)} | {
+        inner.lineno for node in ast.walk(tree) if isinstance(node, ast.Try)
+        for statement in node.finalbody for inner in ast.walk(statement) if hasattr(inner, "lineno")}
+
+    def scenario(name, driver):
+        tensor = torch.ones(MIB // 4)
+        driver.watch(tensor.untyped_storage())
+        if name == "register":
+            _registration.register_for_staging(tensor, CUDA)
+            return [tensor], lambda: _registration.register_for_staging(tensor, CUDA)
+        assert registered(tensor)
+        if name == "register, evicting":
+            other = torch.ones(MIB // 4)
+            driver.watch(other.untyped_storage())
+            _registration.register_for_staging(other, CUDA)
+            monkeypatch.setattr(_registration, "_cap", lambda: MIB)
+            return [tensor, other], lambda: _registration.register_for_staging(other, CUDA)
+        if name == "unregister_all":
+            return [tensor], _registration.unregister_all
+        del tensor  # the safe point of a freed storage, its unregister accepted or refused
+        driver.refuse = [900] if name == "safe point, refused" else []
+        return [], _registration.drain
+
+    cases = 0
+    for name in ("register", "register, evicting", "unregister_all", "safe point", "safe point, refused"):
+        for line in itertools.count(1):
+            recorded = Driver()
+            with monkeypatch.context() as patch:
+                install(recorded, patch)
+                keep, call = scenario(name, recorded)
+                seen = [0]
+
+                def trace(frame, event, arg):
+                    if frame.f_code.co_filename != source:
+                        return None
+
+                    def each(frame, event, arg):
+                        if event == "line" and frame.f_lineno not in untouched:
+                            seen[0] += 1
+                            if seen[0] == line:
+                                raise KeyboardInterrupt(f"{frame.f_code.co_name}, line {frame.f_lineno}")
+                        return each
+
+                    return each
+
+                sys.settrace(trace)
+                try:
+                    call()
+                    interrupted = None
+                except KeyboardInterrupt as raised:
+                    interrupted = str(raised)
+                finally:
+                    sys.settrace(None)
+                tracked = set(_registration._registered) | {p for p, _, _ in _registration._pending}
+                assert set(recorded.ranges) <= tracked, (name, interrupted, recorded.ranges, tracked)
+                keep.clear()
+                patch.setattr(_registration, "_cap", lambda: 64 * MIB)
+                _registration.drain()
+                _registration.unregister_all()
+                assert recorded.freed_registered == [] and recorded.ranges == {}, (name, interrupted)
+                assert not (_registration._registered or _registration._pending or _registration._registering), (
+                    name, interrupted)
+                assert not _registration._lock.locked(), (name, interrupted)
+                forget_everything()
+            if interrupted is None:
+                break
+            cases += 1
+    print(f"interruptions tried: {cases}")
+    assert cases > 50
