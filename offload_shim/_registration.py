@@ -14,9 +14,9 @@ at every call); one larger than the budget never is.
 Registered memory must be unregistered before it is freed: the driver keeps a range registered after its memory is
 unmapped, refuses a new mapping there, and may copy the old pages for a tensor the allocator later places at that
 address. So the table holds each registered storage, and a storage no tensor uses any more (torch's count of its
-users down to the table's own reference) is unregistered, then let go, at the next safe point, :func:`drain`: at
-the start of the next pipelined call, ``release_buffers()`` and ``destroy_process_group()`` of every group. Until
-then its memory stays allocated (the delay is the only cost: nothing is freed while registered, and nothing is
+users down to the table's own reference) is unregistered, then let go, at the next safe point, :func:`drain`: at the
+start of the next pipelined call, ``release_buffers()`` and ``destroy_process_group()`` of every group. Until then
+its memory stays allocated (the delay is the only cost: nothing is freed while registered, and nothing is
 unregistered from a finalizer, which would run wherever the last reference goes, under any lock, inside another
 thread's CUDA graph capture). The safe point unregisters a range only after events recorded on the streams that
 staging copies on (:func:`_groups.copy_streams`), which follow every copy queued so far, have completed: the host
@@ -24,15 +24,15 @@ waits for them, never for the whole device, never under the module's lock, and n
 CUDA graph (then the safe point is the next one). A storage also comes off the table when the budget needs its room
 or is lowered (ranges not yet undone count against it), and by :func:`unregister_all`. A range stays pending, its
 storage held, until the driver has undone it (a range it no longer holds answers 713, and is dropped). Torch can
-replace a storage's memory in place (``resize_``, ``share_memory_()``): the
-old memory is then freed while registered, a safe point undoes the old range where the address or the size changed,
-and nothing can tell where new memory came back at the same address and size; registration is not for storages
-resized between their stagings (docs/operations.md). A registration is entered on the table before the driver's
-call (one at a time for a range; it is not evicted while the call is under way), and a range leaves the table only
-once it is pending: an exception at any step leaves no registered range the tables do not hold. A registration that
-fails (the driver's limit, a container's) leaves the storage pageable, its calls take the bounce path, and one log
-line says so. A child made by ``fork()`` starts with empty tables: the registrations are its
-parent's (the driver's, in the parent's context), which it neither uses nor undoes.
+replace a storage's memory in place (``resize_``, ``share_memory_()``): the old memory is then freed while
+registered, a safe point undoes the old range where the address or the size changed, and nothing can tell where new
+memory came back at the same address and size; registration is not for storages resized between their stagings
+(docs/operations.md). A registration is entered on the table before the driver's call (one at a time for a range; it
+is not evicted while the call is under way), and a range leaves the table only once it is pending: an exception at
+any step leaves no registered range the tables do not hold. A registration that fails (the driver's limit, a
+container's) leaves the storage pageable, its calls take the bounce path, and one log line says so. A child made by
+``fork()`` starts with empty tables: the registrations are its parent's (the driver's, in the parent's context),
+which it neither uses nor undoes.
 """
 
 from __future__ import annotations
@@ -246,14 +246,14 @@ def _unused(storage: torch.UntypedStorage, pointer: int, nbytes: int) -> bool:
 
 def drain() -> None:
     """The safe point (see the module): take off the table the storages no tensor uses any more (and those resized),
-    then unregister every range pending, after events recorded now on the streams staging copies on have completed
-    (the host waits for them, off the module's lock), and let their storages go. Nothing while this thread captures
-    a CUDA graph. A range stays pending until the driver has undone it (two threads' safe points may both ask; the
-    second is answered 713, and its storage, held by both, is not freed before): one it refuses to unregister (another thread's capture in global mode,
-    say), or that an interruption leaves, waits for the next safe point. Reads two containers where nothing is
-    registered or pending. (A live storage evicted while another thread's call copies from it: that thread may queue
-    a copy after the events are recorded; the driver's unregister returns only once the device's queued work is
-    done, seen on one H200, and copies queued after it take the pageable path.)"""
+    then unregister every range pending, after events recorded now on the streams staging copies on have completed (the
+    host waits for them, off the module's lock), and let their storages go. Nothing while this thread captures a CUDA
+    graph. A range stays pending until the driver has undone it (two threads' safe points may both ask; the second is
+    answered 713, and its storage, held by both, is not freed before): one it refuses to unregister (another thread's
+    capture in global mode, say), or that an interruption leaves, waits for the next safe point. Reads two containers
+    where nothing is registered or pending. (A live storage evicted while another thread's call copies from it: that
+    thread may queue a copy after the events are recorded; the driver's unregister returns only once the device's queued
+    work is done, seen on one H200, and copies queued after it take the pageable path.)"""
     if not (_registered or _pending):
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
