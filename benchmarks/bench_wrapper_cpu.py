@@ -10,7 +10,8 @@ uninstalled, and uninstalled with a wrapt ``FunctionWrapper`` that only passes t
 wrapping library's own share of the shim's cost); each block's CPU time of the calling thread per call is taken, and
 each side's minimum over the rounds is kept (means are too noisy on a shared machine). Cases: ``all_reduce`` and
 ``broadcast``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of a one-element CPU tensor on that group, which
-serves CPU (the wrappers decide and pass the call on); each side's minimum and median over the rounds. Counting:
+serves CPU (the wrappers decide and pass the call on), and ``all_reduce`` of it on a one-rank group with a CPU and an
+accelerator backend (``cpu:gloo`` and the accelerator's, or PyTorch's fake backend for CUDA where there is none); each side's minimum and median over the rounds. Counting:
 what a staged call runs to be counted, the decision's record and the count (``_counters.decided`` and
 ``_counters.count``, the logger not enabled for INFO), in blocks of ``--calls``, the minimum over the rounds.
 """
@@ -68,6 +69,18 @@ def measure(calls: int, rounds: int) -> dict:
         "all_gather_into_tensor": ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(gathered, tensor)),
         "reduce_scatter_tensor": ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(scattered, tensor)),
     }
+    # A CPU tensor on a group with a CPU and an accelerator backend (torch's fake backend standing in for the
+    # accelerator's where there is none): the answer kept from its first, decided, call serves it.
+    if torch.accelerator.is_available():
+        kind = torch.accelerator.current_accelerator().type
+        two = f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map[kind]}"
+    else:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+        two = "cpu:gloo,cuda:fake"
+    two_backends = dist.new_group([0], backend=two)
+    cases["all_reduce, CPU tensor, two-backend group"] = (
+        "all_reduce", lambda: dist.all_reduce(tensor, group=two_backends))
     if torch.accelerator.is_available():  # and accelerator tensors on a one-rank group of the accelerator's backend
         torch.accelerator.set_device_index(0)
         device = torch.device(torch.accelerator.current_accelerator().type, 0)
@@ -232,12 +245,12 @@ def main(argv=None) -> dict:
     results["counting_cpu_us_per_staged_call"] = counting(args.calls, args.rounds)
     results["accelerator_decision_beyond_wrapt_cpu_us_per_call"] = accelerator_decisions(args.calls, args.rounds)
     for name, r in results["cases"].items():
-        print(f"{name}, one element, one-rank Gloo group, in turn ({r['in_turn_calls']} calls each; medians of the "
+        print(f"{name}, one element, one rank, in turn ({r['in_turn_calls']} calls each; medians of the "
               f"differences): the shim {r['in_turn_shim_beyond_wrapt_cpu_us_per_call']:.2f} us beyond a wrapt "
               f"pass-through, {r['in_turn_shim_beyond_torch_cpu_us_per_call']:.2f} us beyond torch (the pass-through "
               f"{r['in_turn_wrapt_beyond_torch_cpu_us_per_call']:.2f} us; a second pass-through beyond the first, the "
               f"method's own spread: {r['in_turn_second_pass_through_beyond_wrapt_cpu_us_per_call']:.2f} us)")
-        print(f"{name}, one element, one-rank Gloo group, minimum of {args.rounds} rounds of {args.calls} calls: "
+        print(f"{name}, one element, one rank, minimum of {args.rounds} rounds of {args.calls} calls: "
               f"CPU time per call {r['shim_on_cpu_us_per_call']:.2f} us with the shim, {r['shim_off_cpu_us_per_call']:.2f} us "
               f"without, added {r['added_cpu_us_per_call']:.2f} us, of which a wrapt pass-through wrapper alone "
               f"{r['wrapt_alone_added_cpu_us_per_call']:.2f} us and the shim beyond it "

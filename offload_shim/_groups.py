@@ -69,6 +69,33 @@ class _State:
 _states: weakref.WeakKeyDictionary = globals().get("_states", weakref.WeakKeyDictionary())
 _states_lock = globals().get("_states_lock") or threading.Lock()
 
+# The served path's answers for host tensors, by process group: the size in bytes below which a host-only chunkable
+# call of one tensor on the group goes to torch untouched (``math.inf``: every size, the tensor is not read; 0: none,
+# every call is decided). Found by ``_plan.host_answer`` and ``_plan``'s decisions; dropped with what they were
+# found from: the group's agreement (replaced by :func:`agree`), the group (:func:`forget`), the settings (every
+# configure()); and all of them once 64 groups are kept (groups made and dropped without destroy_process_group).
+host_answers: dict = globals().get("host_answers", {})  # (one dict across importlib.reload: wrappers hold it)
+_config.on_change(host_answers.clear)
+
+
+def keep_answer(group: dist.ProcessGroup, settings, below: float, agreement=None) -> None:
+    """Keep ``below`` as the served path's answer for ``group`` (see :data:`host_answers`), found under ``settings``
+    and, where it depends on the ranks' agreement, ``agreement``: unless either is no longer in force."""
+    if settings is not _config.settings():  # configure() ran since the answer was found: it no longer holds
+        return
+    if len(host_answers) >= 64:
+        host_answers.clear()
+    try:
+        if agreement is None:
+            host_answers[group] = below
+            return
+        state = state_of(group)
+        with state.lock:  # (agree() replaces the agreement, and drops the answer, under it)
+            if state.agreement is agreement:
+                host_answers[group] = below
+    except TypeError:  # a group that cannot be a key: decided at every call
+        pass
+
 
 def state_of(group: dist.ProcessGroup) -> _State:
     """What the shim keeps for ``group`` (made at its first use); its ``agreement`` is the ranks' agreement in force
@@ -121,8 +148,10 @@ def agree(group: dist.ProcessGroup, settings, unable: str | None, collective: st
                 agreement = _exchange(group, generation, mine, unable, collective)
             except BaseException:  # every rank raised at this generation: the next agreement takes the next one
                 state.agreement = _Agreement(generation=generation)
+                host_answers.pop(group, None)
                 raise
             state.agreement = agreement
+            host_answers.pop(group, None)  # found from the agreement replaced
         agreement.settings = settings
     return agreement
 
@@ -324,12 +353,15 @@ def copy_streams() -> list:
 
 
 def forget(group: dist.ProcessGroup | None = None) -> None:
-    """Drop what is kept for ``group`` (every group for ``None``): its agreement and its lanes (their threads end
-    once their tasks are done)."""
+    """Drop what is kept for ``group`` (every group for ``None``): its agreement, its served-path answer and its
+    lanes (their threads end once their tasks are done)."""
     with _states_lock:
         dropped = list(_states.values()) if group is None else [_states.pop(group, None)]
         if group is None:
             _states.clear()
+            host_answers.clear()
+        else:
+            host_answers.pop(group, None)
     for state in dropped:
         if state is not None:
             for executor in state.lanes.values():
@@ -349,8 +381,9 @@ def release() -> None:
 
 def _forget_after_fork() -> None:
     """In a forked child: the parent's lane threads are not there (their executors would never run a copy), and its
-    agreements and pools were the parent's."""
+    agreements, answers and pools were the parent's."""
     _states.clear()
+    host_answers.clear()
     _idle.clear()
     _busy.clear()
 

@@ -38,7 +38,6 @@ from offload_shim._devices import StagingError
 from offload_shim._table import ELEMENTWISE, GATHER, READ, Collective
 
 _log = logging.getLogger("offload_shim")
-_world = dist.distributed_c10d._world  # its default_pg: the default group, as torch reads it
 
 # Families: how an entry is called on staged tensors (the wrapper that binds the call says which).
 C10D, OPS, FUNCTIONAL = "c10d", "ops", "functional"
@@ -156,16 +155,6 @@ class Plan:
 # reference to the group, the settings then, the device). Calls on that group under those settings need not
 # resolve the device again: a small staged call costs little more than its decision.
 _last_device: tuple = (lambda: None, None, None)
-# The served path's answers for host tensors, by group (held until the group is destroyed through the shim, or 64
-# groups on): (the group's state and the ranks' agreement then, the shared size in bytes from which a host-only
-# chunkable call is routed: ``math.inf``, never; 0: every call is decided). A group that one backend serves entirely
-# keeps ``None`` for state and agreement (nothing to agree on), and every size; a group with a CPU and an
-# accelerator backend gets its answer from its last decided host call (:func:`_on_host_group`); any other group,
-# none. Every configure() empties it. See :func:`host_call_group`.
-_host_answers: dict = {}
-_config.on_change(_host_answers.clear)  # the answers hold under the settings they were found under
-
-
 def decide(call: Call) -> Plan | None:
     """The plan for ``call`` (see the module docstring); ``None``: torch's own call, untouched.
 
@@ -238,58 +227,22 @@ def _decide(call: Call, group) -> Plan | None:
     return _stage(call, device, _counters.STAGED, settings, host, tensors)
 
 
-def host_call_group(given, tensor: torch.Tensor) -> dist.ProcessGroup | None:
-    """The process group of a chunkable ``torch.distributed`` call of the single host ``tensor`` on ``given`` (the
-    group argument as the caller gave it: ``None`` for the default group), where the call needs a decision;
-    ``None`` where it goes to torch untouched under the settings in force: there is no process group (torch raises
-    or returns without communicating), or one backend serves everything the group serves (a plain Gloo group) and
-    nothing forces staging, or, on a group with a CPU and an accelerator backend, the group's last host-only call
-    was decided under the same settings and the same agreement of its ranks and this call is smaller than the size
-    the agreed threshold routes from (the ranks have agreed first, so a rank whose settings differ still fails at
-    the first call, as every rank does). The served path's question for host tensors: a dict lookup and a few
-    reads."""
-    group = given if given is not None else _world.default_pg
-    try:
-        entry = _host_answers.get(group)  # (emptied by every configure())
-    except TypeError:  # not a group (torch raises)
-        entry = None
-    if entry is not None:
-        state, agreement, below = entry
-        if below and (state is None or state.agreement is agreement):  # (below 0: every call is decided)
-            if below == math.inf:  # every size: the tensor is not read
-                return None
-            try:
-                nbytes = tensor.nbytes
-            except Exception:  # (a sparse tensor's nbytes raises; the decision leaves it to torch)
-                nbytes = tensor.numel() * tensor.element_size()
-            if nbytes < below:
-                return None
-        return group
+def host_answer(given) -> float:
+    """The served path's answer for host tensors on ``given`` (the group argument as the caller gave it: ``None``
+    for the default group), found and kept (``_groups.host_answers``) where the wrapper has none: the size in bytes
+    below which a host-only chunkable call of one tensor goes to torch untouched under the settings in force.
+    ``math.inf`` (every size) where there is no process group (torch raises, or returns without communicating) or
+    one backend serves everything the group serves (a plain Gloo group) and nothing forces staging; otherwise 0
+    (every call decided), until a decided host call on a group with a CPU and an accelerator backend keeps the size
+    its ranks' agreed routing threshold routes from (:func:`_on_host_group`; the ranks agree first, so a rank whose
+    settings differ fails at the first call, as every rank does)."""
     group = _devices.resolve_c10d_group(given)
     if group is None:
-        return None
+        return math.inf
     settings = _config.settings()
-    served = _devices.host_calls_served(group)
-    # Served: every size; otherwise none, until a decision on a group with a CPU backend says which (_on_host_group).
-    _remember(group, settings, None, None, math.inf if served else 0)
-    return None if served else group
-
-
-def _remember(group, settings, state, agreement, below) -> None:
-    """Keep the served path's answer for ``group``, found under ``settings``, unless those are no longer in force."""
-    if settings is not _config.settings():  # configure() ran since the answer was found: it no longer holds
-        return
-    if len(_host_answers) >= 64:  # (groups made and dropped without destroy_process_group)
-        _host_answers.clear()
-    _host_answers[group] = (state, agreement, below)
-
-
-def forget(group: dist.ProcessGroup | None = None) -> None:
-    """Drop the served path's answer for ``group`` (for every group: ``None``), as ``destroy_process_group`` does."""
-    if group is None:
-        _host_answers.clear()
-    else:
-        _host_answers.pop(group, None)
+    below = math.inf if _devices.host_calls_served(group) else 0
+    _groups.keep_answer(group, settings, below)
+    return below
 
 
 def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Plan | None:
@@ -310,7 +263,7 @@ def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Pl
         threshold = settings.route_min_bytes
         routes = agreement.route and threshold is not None and group.size() > 1
         if call.entry.chunkable and not settings.always_stage:
-            _remember(group, settings, _groups.state_of(group), agreement, threshold if routes else math.inf)
+            _groups.keep_answer(group, settings, threshold if routes else math.inf, agreement)
         if routes and call.entry.chunkable and _shared_bytes(call) >= threshold:
             return _stage(call, candidate, _counters.ROUTED, settings, host, tensors)
     if not settings.always_stage:

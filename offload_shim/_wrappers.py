@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 
 import torch
@@ -30,6 +31,8 @@ ALIASES = ("torch.distributed",)  # where the c10d functions are public under th
 
 _log = logging.getLogger("offload_shim")
 Tensor = torch.Tensor  # (read on every call: one global lookup)
+EVERY_SIZE = math.inf  # a served-path answer: every call of the group's host tensors goes to torch
+_world = dist.distributed_c10d._world  # its default_pg: the default group, as torch reads it
 
 
 class _C10dCaller:
@@ -110,6 +113,7 @@ def c10d_wrapper(entry: _table.Collective):
         group_at = parameters.position("group")
         lazy = _devices.refused_for_host(label)  # accelerator tensors go to torch first (see _devices)
         callers = _callers(entry.name)  # torch's collectives that call this one (see _callers)
+        answers = _groups.host_answers
 
         def stage(wrapped, args, kwargs, group, refused=None):
             plan = _plan.decide(_bind(entry, parameters, args, kwargs, group))
@@ -138,8 +142,20 @@ def c10d_wrapper(entry: _table.Collective):
                     if group is None:
                         raise refused
                     return stage(wrapped, args, kwargs, group, refused)
-                group = _plan.host_call_group(args[group_at] if len(args) > group_at else kwargs.get("group"), tensor)
-                if group is None:  # no group (torch raises), or one that serves the call
+                # The group's answer (_groups.host_answers): below what size its host calls go to torch untouched.
+                given = args[group_at] if len(args) > group_at else kwargs.get("group")
+                group = _world.default_pg if given is None else given
+                try:
+                    below = answers.get(group)
+                except TypeError:  # (a group that cannot be a key: found at every call)
+                    below = None
+                if below is None:
+                    below = _plan.host_answer(given)
+                try:
+                    served = below is EVERY_SIZE or tensor.nbytes < below
+                except RuntimeError:  # (a sparse tensor's nbytes raises: decided, and left to torch there)
+                    served = False
+                if served:  # no group (torch raises), or one that serves the call
                     return wrapped(*args, **kwargs)
                 # A small call captured before, replayed without deciding again while what decided it holds (_replay).
                 if _replay._captures and _replay.replayed(tensor, group, wrapped, args, kwargs, at):
@@ -387,7 +403,6 @@ def _releasing_buffers(original):
         _replay.forget(None if every else group)
         result = wrapped(*args, **kwargs)
         _groups.forget(None if every else group)
-        _plan.forget(None if every else group)
         if every:
             _execute.release_buffers()
         return result

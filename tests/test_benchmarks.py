@@ -17,7 +17,8 @@ def test_served_path_benchmark_reports_each_case(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert set(report["cases"]) == {"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"}
+    ops = {"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"}
+    assert set(report["cases"]) == ops | {"all_reduce, CPU tensor, two-backend group"}
     for case in report["cases"].values():
         assert case["shim_on_cpu_us_per_call"] > 0 and case["shim_off_cpu_us_per_call"] > 0
         assert abs(case["added_cpu_us_per_call"] - (case["shim_on_cpu_us_per_call"] - case["shim_off_cpu_us_per_call"])) < 1e-9
@@ -26,8 +27,8 @@ def test_served_path_benchmark_reports_each_case(tmp_path):
         assert case["in_turn_calls"] == 50 * 2 // 3  # every turn timed once the warm-up is over
         assert all(isinstance(case[f"in_turn_{what}_cpu_us_per_call"], float) for what in (
             "shim_beyond_wrapt", "shim_beyond_torch", "wrapt_beyond_torch", "second_pass_through_beyond_wrapt"))
-    assert result.stdout.count("added") == 4 and result.stdout.count("in turn") == 4
+    assert result.stdout.count("added") == 5 and result.stdout.count("in turn") == 5
     assert report["counting_cpu_us_per_staged_call"] > 0 and "counting a staged call" in result.stdout
     decisions = report["accelerator_decision_beyond_wrapt_cpu_us_per_call"]
-    assert sorted(decisions) == sorted(f"{name}, accelerator tensors (meta)" for name in report["cases"]), decisions
+    assert sorted(decisions) == sorted(f"{name}, accelerator tensors (meta)" for name in ops), decisions
     assert all(isinstance(value, float) for value in decisions.values()) and result.stdout.count("(meta)") == 4

@@ -506,7 +506,7 @@ def check_destroyed_groups_are_not_kept():
     import gc
     import weakref
 
-    from offload_shim import _plan
+    from offload_shim import _groups
 
     refs = []
     for backend in ("gloo", "cpu:gloo,cuda:gloo"):
@@ -516,7 +516,7 @@ def check_destroyed_groups_are_not_kept():
         tensor = torch.ones(4)
         for _ in range(3):  # served: its answer kept (configure() above emptied the answers)
             dist.all_reduce(tensor, group=group)
-        assert group in _plan._host_answers
+        assert group in _groups.host_answers
         refs.append(weakref.ref(group))
         dist.destroy_process_group(group)
         del group

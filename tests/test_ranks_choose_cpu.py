@@ -333,6 +333,42 @@ def test_small_host_calls_on_a_two_backend_group_when_ranks_differ(gloo_ranks):
     assert errors[0] == errors[1] and "disagree on routing thresholds" in errors[0]["error"], errors
 
 
+def check_answer_dropped_with_its_agreement():
+    """The served path's answer on a group with a CPU and an accelerator backend is found from the ranks' agreement:
+    when the ranks agree again (here: agreeing that every rank can route, as a call through another path would),
+    the answer goes with the agreement it came from, and the next host call is decided again; an answer found from
+    an agreement already replaced is never kept."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    from offload_shim import _config, _groups, _plan
+
+    offload_shim.install()
+    group = dist.new_group(backend="cpu:gloo,cuda:fake")
+    tensor = torch.ones(4)
+    seen = {}
+    with counting_calls(_plan, "decide") as decided:
+        dist.all_reduce(tensor, group=group)
+        dist.all_reduce(tensor, group=group)
+        seen["kept"] = (len(decided), _groups.host_answers.get(group))
+        first = _groups.state_of(group).agreement
+        again = _groups.agree(group, _config.settings(), None, "test", can_route=True)  # on every rank alike
+        seen["replaced"] = (again is not first, group in _groups.host_answers)
+        _groups.keep_answer(group, _config.settings(), 64, first)  # found from the agreement replaced
+        seen["stale kept"] = group in _groups.host_answers
+        dist.all_reduce(tensor, group=group)  # decided: agrees again (no rank can route) and keeps its answer
+        dist.all_reduce(tensor, group=group)
+        seen["again"] = (len(decided), _groups.host_answers.get(group), tensor.tolist())
+    dist.destroy_process_group(group)
+    seen["destroyed"] = group in _groups.host_answers
+    return seen
+
+
+def test_answer_dropped_with_its_agreement(gloo_ranks):
+    for seen in gloo_ranks.run(check_answer_dropped_with_its_agreement):
+        assert seen == {"kept": (1, float("inf")), "replaced": (True, False), "stale kept": False,
+                        "again": (2, float("inf"), [16.0] * 4), "destroyed": False}, seen
+
+
 def check_point_to_point_on_a_two_backend_group_waits_for_its_peer_only():
     """A send on a group with a CPU and an accelerator backend waits for its receiver only, as torch's does: never
     routed, it asks no agreement of the group's other ranks (here the receiver is in a barrier first)."""
