@@ -573,8 +573,9 @@ def test_log_variable_prints_install_and_staging_decisions():
 def test_log_variable_values():
     from offload_shim import ConfigError, _config
 
-    assert [_config.log_level_from_environment({"OFFLOAD_SHIM_LOG": v}) for v in ("", " INFO ", "debug")] == [None, 20, 10]
-    with pytest.raises(ConfigError, match=r"OFFLOAD_SHIM_LOG='verbose' is not a log level: use one of \['debug', 'info'\]"):
+    values = ("", " INFO ", "debug", "Warning")
+    assert [_config.log_level_from_environment({"OFFLOAD_SHIM_LOG": v}) for v in values] == [None, 20, 10, 30]
+    with pytest.raises(ConfigError, match=r"OFFLOAD_SHIM_LOG='verbose' is not a log level: use one of \['debug', 'info', 'warning'\]"):
         _config.log_level_from_environment({"OFFLOAD_SHIM_LOG": "verbose"})
 
 
