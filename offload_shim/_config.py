@@ -51,11 +51,11 @@ Every environment variable offload_shim reads is named here, once.
 ``OFFLOAD_SHIM_LOG`` (:data:`ENV_LOG`)
     ``warning``, ``info`` or ``debug`` (any case): offload_shim's log records (logger ``offload_shim``) go to
     standard error from that level, each line naming the process's rank (``RANK``, which torchrun sets): at
-    ``warning`` its warnings alone (a registration that failed, a group passed through, a function not wrapped), at ``info`` also one line
-    when the wrappers are installed and one line the first time a call from each line of code is staged (where,
-    which collective, bytes, route, mode and why: ``offload_shim._counters``), at ``debug`` also one line for every
-    staging decision. Unset or empty: nothing is printed (the logger has a ``NullHandler`` only, for the
-    application's own logging configuration). Any other value is rejected with :class:`ConfigError`.
+    ``warning`` its warnings alone (a registration that failed, a group passed through, a function not wrapped),
+    at ``info`` also one line when the wrappers are installed and one line the first time a call from each line of
+    code is staged (where, which collective, bytes, route, mode and why: ``offload_shim._counters``), at ``debug``
+    also one line for every staging decision. Unset or empty: nothing is printed (the logger has a ``NullHandler``
+    only, for the application's own logging configuration). Any other value is rejected with :class:`ConfigError`.
 ``OFFLOAD_SHIM_SUMMARY`` (:data:`ENV_SUMMARY`)
     A boolean, spelled as for ``OFFLOAD_SHIM``. True: when the interpreter exits, the process of rank 0 (``RANK`` 0,
     or no ``RANK`` at all) prints one table of its staged calls to standard error: calls, bytes and seconds by

@@ -72,29 +72,64 @@ _states_lock = globals().get("_states_lock") or threading.Lock()
 # The served path's answers for host tensors, by process group: the size in bytes below which a host-only chunkable
 # call of one tensor on the group goes to torch untouched (``math.inf``: every size, the tensor is not read; 0: none,
 # every call is decided). Found by ``_plan.host_answer`` and ``_plan``'s decisions; dropped with what they were
-# found from: the group's agreement (replaced by :func:`agree`), the group (:func:`forget`), the settings (every
-# configure()); and all of them once 64 groups are kept (groups made and dropped without destroy_process_group).
+# found from: the group's agreement (replaced by :func:`agree`), the group (:func:`forget`, and :func:`prune` for
+# groups torch destroyed without the shim), the settings (every configure()). Every change to it is made under
+# ``_answers_lock``, an answer kept only after its sources are checked, under the lock, to be still in force; the
+# wrappers read it without a lock (one dict lookup).
 host_answers: dict = globals().get("host_answers", {})  # (one dict across importlib.reload: wrappers hold it)
-_config.on_change(host_answers.clear)
+_answers_lock = globals().get("_answers_lock") or threading.Lock()
+MAX_ANSWERS = 1024  # groups with answers kept; past it, those torch no longer has are dropped, then all
+
+
+def drop_answers(group: dist.ProcessGroup | None = None) -> None:
+    """Drop the served path's answer for ``group`` (for every group: ``None``)."""
+    with _answers_lock:
+        if group is None:
+            host_answers.clear()
+        else:
+            host_answers.pop(group, None)
+
+
+_config.on_change(drop_answers)  # (configure() puts the new settings in force first)
 
 
 def keep_answer(group: dist.ProcessGroup, settings, below: float, agreement=None) -> None:
     """Keep ``below`` as the served path's answer for ``group`` (see :data:`host_answers`), found under ``settings``
-    and, where it depends on the ranks' agreement, ``agreement``: unless either is no longer in force."""
-    if settings is not _config.settings():  # configure() ran since the answer was found: it no longer holds
-        return
-    if len(host_answers) >= 64:
-        host_answers.clear()
+    and, where it depends on the ranks' agreement, ``agreement``: unless either is no longer in force, or torch no
+    longer has the group (destroyed meanwhile)."""
     try:
-        if agreement is None:
+        state = None if agreement is None else state_of(group)
+        with _answers_lock:
+            if settings is not _config.settings() or state is not None and state.agreement is not agreement:
+                return
+            groups = _torch_groups()
+            if groups is not None and group not in groups:
+                return
+            if len(host_answers) >= MAX_ANSWERS:
+                _prune(groups)
+                if len(host_answers) >= MAX_ANSWERS:
+                    host_answers.clear()
             host_answers[group] = below
-            return
-        state = state_of(group)
-        with state.lock:  # (agree() replaces the agreement, and drops the answer, under it)
-            if state.agreement is agreement:
-                host_answers[group] = below
     except TypeError:  # a group that cannot be a key: decided at every call
         pass
+
+
+def prune() -> None:
+    """Drop the answers of groups torch no longer has (destroyed while the shim was not installed)."""
+    with _answers_lock:
+        _prune(_torch_groups())
+
+
+def _prune(groups) -> None:  # under _answers_lock
+    if groups is not None:
+        for group in [group for group in host_answers if group not in groups]:
+            del host_answers[group]
+
+
+def _torch_groups():
+    """torch's table of the process groups it has (read where torch keeps it now: its tests replace it); ``None``
+    where this torch keeps none."""
+    return getattr(dist.distributed_c10d._world, "pg_map", None)
 
 
 def state_of(group: dist.ProcessGroup) -> _State:
@@ -148,10 +183,10 @@ def agree(group: dist.ProcessGroup, settings, unable: str | None, collective: st
                 agreement = _exchange(group, generation, mine, unable, collective)
             except BaseException:  # every rank raised at this generation: the next agreement takes the next one
                 state.agreement = _Agreement(generation=generation)
-                host_answers.pop(group, None)
+                drop_answers(group)
                 raise
             state.agreement = agreement
-            host_answers.pop(group, None)  # found from the agreement replaced
+            drop_answers(group)  # found from the agreement replaced
         agreement.settings = settings
     return agreement
 
@@ -359,9 +394,7 @@ def forget(group: dist.ProcessGroup | None = None) -> None:
         dropped = list(_states.values()) if group is None else [_states.pop(group, None)]
         if group is None:
             _states.clear()
-            host_answers.clear()
-        else:
-            host_answers.pop(group, None)
+    drop_answers(group)
     for state in dropped:
         if state is not None:
             for executor in state.lanes.values():
@@ -381,7 +414,10 @@ def release() -> None:
 
 def _forget_after_fork() -> None:
     """In a forked child: the parent's lane threads are not there (their executors would never run a copy), and its
-    agreements, answers and pools were the parent's."""
+    agreements, answers and pools were the parent's; a lock a parent's thread held at the fork would never be
+    released in the child."""
+    global _states_lock, _answers_lock, _pools_lock
+    _states_lock, _answers_lock, _pools_lock = threading.Lock(), threading.Lock(), threading.Lock()
     _states.clear()
     host_answers.clear()
     _idle.clear()

@@ -32,7 +32,8 @@ ALIASES = ("torch.distributed",)  # where the c10d functions are public under th
 _log = logging.getLogger("offload_shim")
 Tensor = torch.Tensor  # (read on every call: one global lookup)
 EVERY_SIZE = math.inf  # a served-path answer: every call of the group's host tensors goes to torch
-_world = dist.distributed_c10d._world  # its default_pg: the default group, as torch reads it
+# Its _world.default_pg: the default group, read where torch reads it (torch's threaded tests replace _world).
+_c10d = dist.distributed_c10d
 
 
 class _C10dCaller:
@@ -144,7 +145,7 @@ def c10d_wrapper(entry: _table.Collective):
                     return stage(wrapped, args, kwargs, group, refused)
                 # The group's answer (_groups.host_answers): below what size its host calls go to torch untouched.
                 given = args[group_at] if len(args) > group_at else kwargs.get("group")
-                group = _world.default_pg if given is None else given
+                group = _c10d._world.default_pg if given is None else given
                 try:
                     below = answers.get(group)
                 except TypeError:  # (a group that cannot be a key: found at every call)

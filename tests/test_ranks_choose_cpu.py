@@ -369,6 +369,79 @@ def test_answer_dropped_with_its_agreement(gloo_ranks):
                         "again": (2, float("inf"), [16.0] * 4), "destroyed": False}, seen
 
 
+def check_answer_not_kept_past_a_configure():
+    """configure() in another thread while a call keeps its group's answer, after the call checked its settings
+    were in force: the answer kept under the old settings is dropped with them, never left for later calls (a rank
+    that kept it would send to Gloo what its peers, under the new settings, stage)."""
+    from offload_shim import _config, _groups
+
+    offload_shim.install()
+    group = dist.new_group(backend="gloo")
+    torch_groups = _groups._torch_groups
+    changed = threading.Event()
+
+    def configure_meanwhile():  # (called by keep_answer once it has checked the settings)
+        thread = threading.Thread(target=lambda: (_config.configure(always_stage=True), changed.set()))
+        thread.start()
+        time.sleep(0.2)  # the other thread changes the settings now, and waits to drop the answers
+        return torch_groups()
+
+    seen = {}
+    with configured(staging_device="cpu", always_stage=False):
+        _groups._torch_groups = configure_meanwhile
+        try:
+            dist.all_reduce(torch.ones(4), group=group)  # finds and keeps the group's answer: every size
+        finally:
+            _groups._torch_groups = torch_groups
+        assert changed.wait(10)
+        seen["kept"] = group in _groups.host_answers
+        offload_shim.reset_staging_counters()
+        tensor = torch.ones(4)
+        dist.all_reduce(tensor, group=group)  # under the other thread's settings: staged (forced), as every rank
+        seen["after"] = ([(key.route, count.calls) for key, count in offload_shim.staging_counters().items()],
+                         tensor.tolist())
+    dist.destroy_process_group(group)
+    return seen
+
+
+def test_answer_not_kept_past_a_configure(gloo_ranks):
+    for seen in gloo_ranks.run(check_answer_not_kept_past_a_configure):
+        assert seen == {"kept": False, "after": ([("forced", 1)], [2.0] * 4)}, seen
+
+
+def check_answers_of_groups_torch_destroyed():
+    """A group destroyed by torch while the shim was not installed, or while a call was keeping its answer, is not
+    kept alive by the served path's answers: installing again drops those of groups torch no longer has, and an
+    answer found for a group torch has destroyed meanwhile is not kept."""
+    import gc
+    import weakref
+
+    from offload_shim import _config, _groups
+
+    offload_shim.install()
+    group = dist.new_group(backend="gloo")
+    dist.all_reduce(torch.ones(4), group=group)
+    seen = {"kept": group in _groups.host_answers}
+    offload_shim.uninstall()
+    dist.destroy_process_group(group)  # torch's own, the shim not installed
+    offload_shim.install()
+    seen["after install"] = group in _groups.host_answers
+    ref = weakref.ref(group)
+    del group
+    gc.collect()
+    seen["let go"] = ref() is None
+    other = dist.new_group(backend="gloo")
+    dist.destroy_process_group(other)
+    _groups.keep_answer(other, _config.settings(), float("inf"))  # found before the destroy, kept after it
+    seen["kept after destroy"] = other in _groups.host_answers
+    return seen
+
+
+def test_answers_of_groups_torch_destroyed(gloo_ranks):
+    for seen in gloo_ranks.run(check_answers_of_groups_torch_destroyed):
+        assert seen == {"kept": True, "after install": False, "let go": True, "kept after destroy": False}, seen
+
+
 def check_point_to_point_on_a_two_backend_group_waits_for_its_peer_only():
     """A send on a group with a CPU and an accelerator backend waits for its receiver only, as torch's does: never
     routed, it asks no agreement of the group's other ranks (here the receiver is in a barrier first)."""
