@@ -215,11 +215,13 @@ def _exchange(group, generation: int, mine: tuple, unable: str | None, collectiv
     if not _wait_for(store, keys, timeout.total_seconds()):  # a rank never got here
         missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
         raise StagingError(
-            f"offload_shim: process group {_devices.group_label(group)}: rank(s) {missing} of the group did not stage "
-            f"on it within the group's timeout ({timeout}), where this rank stages {collective} (its first staged "
-            f"call on the group, or the first since its settings changed). Every rank must stage the same calls: "
-            f"pass host tensors on every rank, and run offload_shim on every rank with the same settings. Nothing "
-            f"of the call was sent; the caller's tensors are unchanged."
+            f"offload_shim: process group {_devices.group_label(group)}: rank(s) {missing} of the group did not "
+            f"compare staging settings within the group's timeout ({timeout}), where this rank does before "
+            f"{collective} (its first call on the group whose wire depends on them: a staged call, or any host call on "
+            f"a group with a CPU and an accelerator backend; or the first since its settings changed). Every rank "
+            f"must make the same calls: pass host tensors on every rank, run offload_shim on every rank with the same "
+            f"settings, and make the first call on each group in the same order on every rank. Nothing of the call "
+            f"was sent; the caller's tensors are unchanged."
         )
     values = [json.loads(value) for value in store.multi_get(keys)]
     fingerprints = [tuple(value["fingerprint"]) for value in values]

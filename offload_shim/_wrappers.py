@@ -31,6 +31,8 @@ ALIASES = ("torch.distributed",)  # where the c10d functions are public under th
 
 _log = logging.getLogger("offload_shim")
 Tensor = torch.Tensor  # (read on every call: one global lookup)
+_overrides = torch.overrides.has_torch_function_unary  # a tensor that torch hands to __torch_function__ (see _handed)
+_any_overrides = torch.overrides.has_torch_function
 EVERY_SIZE = math.inf  # a served-path answer: every call of the group's host tensors goes to torch
 # Its _world.default_pg: the default group, read where torch reads it (torch's threaded tests replace _world).
 _c10d = dist.distributed_c10d
@@ -101,6 +103,22 @@ def _callers(name: str) -> frozenset:
     return frozenset(codes)
 
 
+def _handed(name: str, seen: frozenset = frozenset()) -> bool:
+    """Whether torch's collective ``name`` hands a call to ``__torch_function__``, itself or through a collective of
+    the table it calls by name, where a tensor's type overrides it or a ``TorchFunctionMode`` is active (torch 2.13's
+    collectives do, with the shim's wrapper as the function: the override's own call of it, with plain tensors, is
+    decided as any call). The shim then passes such a call to torch undecided, reading nothing of its tensors (a
+    read of ``is_cpu`` would be handed to the override too)."""
+    chain = _chain(getattr(dist.distributed_c10d, name, None))
+    code = getattr(chain[-1], "__code__", None) if chain else None
+    if code is None:
+        return False
+    if "handle_torch_function" in code.co_names:
+        return True
+    seen = seen | {name}
+    return any(_handed(other, seen) for other in _table.C10D if other not in seen and other in code.co_names)
+
+
 def c10d_wrapper(entry: _table.Collective):
     """The wrapper factory of a ``torch.distributed`` entry of the table."""
     label = entry.label
@@ -114,6 +132,7 @@ def c10d_wrapper(entry: _table.Collective):
         group_at = parameters.position("group")
         lazy = _devices.refused_for_host(label)  # accelerator tensors go to torch first (see _devices)
         callers = _callers(entry.name)  # torch's collectives that call this one (see _callers)
+        handed = _handed(entry.name)  # calls with overriding tensors go to their __torch_function__ (see _handed)
         answers = _groups.host_answers
 
         def stage(wrapped, args, kwargs, group, refused=None):
@@ -130,7 +149,7 @@ def c10d_wrapper(entry: _table.Collective):
             def in_place(wrapped, instance, args, kwargs):
                 # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
                 tensor = args[at] if len(args) > at else kwargs.get("tensor")
-                if not isinstance(tensor, Tensor):
+                if not isinstance(tensor, Tensor) or handed and _overrides(tensor):
                     return wrapped(*args, **kwargs)
                 if not tensor.is_cpu:  # an accelerator's tensor: through the host where the group has no backend
                     try:  # torch first (_devices.torch_first, inline): it refuses before any wire
@@ -179,11 +198,15 @@ def c10d_wrapper(entry: _table.Collective):
             for name, at in positions:
                 value = args[at] if len(args) > at else kwargs.get(name)
                 if isinstance(value, Tensor):
+                    if handed and _overrides(value):
+                        return wrapped(*args, **kwargs)
                     if value.is_cpu:
                         host = True
                     elif accelerator is None:
                         accelerator = value
                 elif isinstance(value, (list, tuple)):
+                    if handed and _any_overrides(value):
+                        return wrapped(*args, **kwargs)
                     found_host, found_kind = _devices_of(value)
                     host, kind = host or found_host, kind or found_kind
             refused = None
@@ -224,6 +247,8 @@ def c10d_wrapper(entry: _table.Collective):
             if len(args) > last:
                 first, second = args[first_at], args[second_at]
                 if isinstance(first, Tensor) and isinstance(second, Tensor):
+                    if handed and _any_overrides((first, second)):
+                        return wrapped(*args, **kwargs)
                     host = first.is_cpu
                     if host is second.is_cpu:
                         refused = None

@@ -744,3 +744,77 @@ def test_a_group_whose_store_keeps_nothing_goes_to_torch_untouched():
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "[0.0, 1.0, 2.0, 3.0] {}", run.stdout
     assert run.stderr.count("its store cannot be written (a FakeStore)") == 1, run.stderr[-3000:]
+
+
+class _CollectivesOnly(torch.Tensor):
+    """A tensor whose ``__torch_function__`` handles torch.distributed's collectives (its own answer) and nothing
+    else: torch hands it the collective before reading anything of the tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", "").startswith("torch.distributed"):
+            return f"{func.__name__} handled by the subclass"
+        raise NotImplementedError(f"{func} is not handled")
+
+
+class _Unwrapping(torch.Tensor):
+    """A tensor whose ``__torch_function__`` runs every function on plain tensors (the usual wrapper subclass)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        plain = lambda v: v.as_subclass(torch.Tensor) if isinstance(v, cls) else v  # noqa: E731
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*[plain(a) for a in args], **{k: plain(v) for k, v in (kwargs or {}).items()})
+
+
+class _Recording(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def check_torch_function_overrides():
+    """Where torch hands a collective to ``__torch_function__`` (a tensor's type overrides it, or a
+    ``TorchFunctionMode`` is active; torch 2.13 does), the shim's wrapper reads nothing of the tensors first and the
+    call reaches the override as under torch alone; the override's own call, with plain tensors, is staged as any
+    call. Staging forced through the CPU."""
+    group = _group()
+    rank = dist.get_rank()
+    got = {}
+
+    def calls(install):
+        offload_shim.install() if install else offload_shim.uninstall()
+        only = torch.ones(4).as_subclass(_CollectivesOnly)
+        answers = {
+            "all_reduce": dist.all_reduce(only, group=group),
+            "broadcast": dist.broadcast(only, src=0, group=group),
+            "all_gather_into_tensor": dist.all_gather_into_tensor(torch.zeros(8), only, group=group),
+            "all_gather": dist.all_gather([torch.zeros(4), torch.zeros(4)], only, group=group),
+        }
+        unwrapping = torch.full((4,), float(rank + 1)).as_subclass(_Unwrapping)
+        dist.all_reduce(unwrapping, group=group)
+        answers["unwrapped"] = (type(unwrapping).__name__, unwrapping.as_subclass(torch.Tensor).tolist())
+        plain = torch.full((4,), float(rank + 1))
+        with _Recording() as mode:
+            dist.all_reduce(plain, group=group)
+        answers["mode"] = (mode.seen, plain.tolist())
+        return answers
+
+    got["torch"] = calls(install=False)
+    with staging_through_cpu() as decisions:
+        got["shim"] = calls(install=True)
+    got["decisions"] = decisions
+    return got
+
+
+def test_torch_function_overrides(gloo_ranks):
+    for got in gloo_ranks.run(check_torch_function_overrides):
+        if not offload_shim._wrappers._handed("all_reduce"):
+            pytest.skip("this torch hands no collective to __torch_function__")
+        assert got["shim"] == got["torch"], got
+        assert got["torch"]["unwrapped"] == ("_Unwrapping", [3.0] * 4) and got["torch"]["mode"][1] == [3.0] * 4, got
+        assert got["decisions"] == ["cpu", "cpu"], got  # the unwrapped call and the mode's call, staged
