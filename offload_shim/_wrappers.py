@@ -247,7 +247,7 @@ def c10d_wrapper(entry: _table.Collective):
             if len(args) > last:
                 first, second = args[first_at], args[second_at]
                 if isinstance(first, Tensor) and isinstance(second, Tensor):
-                    if handed and _any_overrides((first, second)):
+                    if handed and _overrides(second):  # (the input: what torch hands on, in each of the three)
                         return wrapped(*args, **kwargs)
                     host = first.is_cpu
                     if host is second.is_cpu:

@@ -794,6 +794,7 @@ def check_torch_function_overrides():
             "broadcast": dist.broadcast(only, src=0, group=group),
             "all_gather_into_tensor": dist.all_gather_into_tensor(torch.zeros(8), only, group=group),
             "all_gather": dist.all_gather([torch.zeros(4), torch.zeros(4)], only, group=group),
+            "all_to_all_single": dist.all_to_all_single(torch.zeros(4), only, group=group),  # (the two-tensor path)
         }
         unwrapping = torch.full((4,), float(rank + 1)).as_subclass(_Unwrapping)
         dist.all_reduce(unwrapping, group=group)
