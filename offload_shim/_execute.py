@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from offload_shim import _counters, _devices, _groups, _registration, _replay, _staging
 from offload_shim._devices import StagingError, group_label
 from offload_shim._plan import C10D, Chunks, Plan
-from offload_shim._table import AFTER_THE_WIRE, AUTOGRAD, BOTH, ELEMENTWISE, NONE, READ, WRITE
+from offload_shim._table import AFTER_THE_WIRE, AUTOGRAD, BOTH, ELEMENTWISE, NONE, READ, WRITE, overlapping
 
 _log = logging.getLogger("offload_shim")
 
@@ -96,8 +96,9 @@ def run(plan: Plan, caller):
 
 
 def _refusals(plan: Plan):
-    """Check the call's tensors as the backend the call is staged on does (the entry's refusals, ``_table``): raise
-    what it raises before anything is sent; return what it raises only after the wire (``AFTER_THE_WIRE``), or
+    """Check the call's tensors as the backend the call is staged on does (the entry's refusals, ``_table``, and for
+    every tensor the call writes on this rank, memory shared between its elements): raise what it raises before
+    anything is sent; return what it raises only after the wire (``AFTER_THE_WIRE``), or
     ``None``. Outputs that autograd would refuse (``AUTOGRAD``) are refused only where that backend also serves the
     host (Gloo); one that serves only the accelerator (NCCL) writes them from C++. Where one is refused after the
     wire, the refused arguments are replaced in ``plan.call`` by scratch tensors of their shapes: the call's
@@ -105,9 +106,15 @@ def _refusals(plan: Plan):
     call, after = plan.call, []
     refused = None
     for arg in call.entry.args:
-        if arg.refusal is None or arg.role_on(call.root) == NONE:
+        role = arg.role_on(call.root)
+        if role == NONE:
             continue
         for tensor in _tensors(call.values.get(arg.name)):
+            error = None if role == READ else overlapping(tensor)
+            if error is not None:
+                raise error  # (before anything is staged, and not counted)
+            if arg.refusal is None:
+                continue
             error = arg.refusal(tensor)
             if error is None or arg.refusal in AUTOGRAD and _stream_ordered(call.group, plan.device):
                 continue

@@ -819,3 +819,38 @@ def test_torch_function_overrides(gloo_ranks):
         assert got["shim"] == got["torch"], got
         assert got["torch"]["unwrapped"] == ("_Unwrapping", [3.0] * 4) and got["torch"]["mode"][1] == [3.0] * 4, got
         assert got["decisions"] == ["cpu", "cpu"], got  # the unwrapped call and the mode's call, staged
+
+
+def check_overlapping_outputs_refused_before_the_wire():
+    """A tensor a staged call writes whose elements share memory (an ``expand``ed view) is refused with torch's
+    in-place message before anything is sent, on the ranks that write it (staged, its copy back would raise after
+    the collective); read only (a broadcast's source), it is staged. Nothing written, nothing counted."""
+    group = _group()
+    rank = dist.get_rank()
+    got = {}
+    with staging_through_cpu(chunk_bytes=16) as decisions:
+        for name, call in {
+            "all_reduce": lambda t: dist.all_reduce(t, group=group),
+            "all_reduce, pipelined": lambda t: dist.all_reduce(t, group=group),
+            # (each rank names the other as the source, so each writes: refused on both before any wire)
+            "broadcast to it": lambda t: dist.broadcast(t, src=1 - rank, group=group),
+        }.items():
+            base = torch.full((1,), float(rank + 1))
+            overlapping = base.expand(8 if "pipelined" in name else 3)
+            offload_shim.reset_staging_counters()
+            got[name] = (_error(lambda: call(overlapping)), base.tolist(), dict(offload_shim.staging_counters()))
+        source = torch.full((1,), 5.0).expand(3) if rank == 0 else torch.zeros(3)
+        dist.broadcast(source, src=0, group=group)  # rank 0 reads its expanded view; rank 1 writes a plain tensor
+        got["broadcast from it"] = source.tolist()
+    got["decisions"] = decisions
+    return got
+
+
+def test_overlapping_outputs_refused_before_the_wire(gloo_ranks):
+    message = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
+               "location. Please clone() the tensor before performing the operation.")
+    for rank, got in enumerate(gloo_ranks.run(check_overlapping_outputs_refused_before_the_wire)):
+        for name in ("all_reduce", "all_reduce, pipelined"):
+            assert got[name] == ((RuntimeError, message), [float(rank + 1)], {}), (name, got)
+        assert got["broadcast to it"] == ((RuntimeError, message), [float(rank + 1)], {}), got
+        assert got["broadcast from it"] == [5.0] * 3 and got["decisions"] == ["cpu"] * 4, got  # (refused once decided)
