@@ -155,6 +155,8 @@ class Plan:
 # reference to the group, the settings then, the device). Calls on that group under those settings need not
 # resolve the device again: a small staged call costs little more than its decision.
 _last_device: tuple = (lambda: None, None, None)
+
+
 def decide(call: Call) -> Plan | None:
     """The plan for ``call`` (see the module docstring); ``None``: torch's own call, untouched.
 

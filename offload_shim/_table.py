@@ -88,6 +88,7 @@ AUTOGRAD_WRITTEN_FIRST = _inplace_refusal_first
 AUTOGRAD = frozenset({AUTOGRAD_WRITTEN, AUTOGRAD_WRITTEN_FIRST})
 AFTER_THE_WIRE = frozenset({AUTOGRAD_WRITTEN})
 CONTIGUOUS = _contiguous_only(ValueError, "Tensors must be contiguous")  # Gloo's and NCCL's all-to-all input
+CONTIGUOUS_P2P = _contiguous_only(RuntimeError, "input tensor has to be contiguous")  # Gloo's send and recv
 _has_internal_overlap = getattr(torch, "_debug_has_internal_overlap", None)  # 0 no, 1 yes, 2 too hard to tell
 
 
@@ -99,7 +100,6 @@ def overlapping(tensor: torch.Tensor) -> Exception | None:
         return None
     return RuntimeError("unsupported operation: more than one element of the written-to tensor refers to a single "
                         "memory location. Please clone() the tensor before performing the operation.")
-CONTIGUOUS_P2P = _contiguous_only(RuntimeError, "input tensor has to be contiguous")  # Gloo's send and recv
 
 
 # ---------------------------------------------------------------- entries
