@@ -3,6 +3,8 @@
 # the replayed small call taken apart; everything under OUTDIR.
 #   TESTS=EXPR SECTIONS=LIST bash benchmarks/one_gpu_round.sh OUTDIR
 # TESTS: a pytest -k expression for tests/test_one_gpu.py (default: every test; "none": no tests);
+# CPU_TESTS: a pytest -k expression for the CPU tests to run under this machine's torch too (default: those of the
+#   served path's answers, __torch_function__ and overlapping outputs; "none": none);
 # SECTIONS: bench_staging.py's --only (default: copy_limits,small,served,pageable).
 set -u -o pipefail
 out=${1:?OUTDIR}
@@ -15,12 +17,19 @@ export PYTHONUNBUFFERED=1
   python3 -c 'import torch, wrapt, sys; print("torch", torch.__version__, "nccl", ".".join(map(str, torch.cuda.nccl.version())), "wrapt", wrapt.__version__, "python", sys.version.split()[0]); print(torch.cuda.get_device_name(0))'
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'from offload_shim import _wrappers; print("collectives this torch calls from another:", {n: len(_wrappers._callers(n)) for n in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")})'
+  python3 -c 'from offload_shim import _wrappers, _table; print("collectives this torch hands to __torch_function__:", sorted(n for n in _table.C10D if _wrappers._handed(n)))'
 } > "$out/env.log" 2>&1
 rc=0
 if [ "${TESTS:-}" != none ]; then
   python3 -m pytest -o addopts="" -m gpu -v -p no:cacheprovider tests/test_one_gpu.py ${TESTS:+-k "$TESTS"} > "$out/tests.log" 2>&1
   rc=$?
   echo "tests rc=$rc" >> "$out/tests.log"
+fi
+cpu_tests=${CPU_TESTS:-answer or torch_function or overlapping}
+if [ "$cpu_tests" != none ]; then
+  python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/test_ranks_choose_cpu.py tests/test_torch_semantics_cpu.py \
+    -k "$cpu_tests" > "$out/cpu_tests.log" 2>&1
+  echo "cpu tests rc=$?" >> "$out/cpu_tests.log"
 fi
 torchrun --nproc_per_node 1 benchmarks/bench_staging.py --quick --only "${SECTIONS:-copy_limits,small,served,pageable}" \
   --out "$out/bench" > "$out/bench.log" 2>&1
@@ -29,6 +38,7 @@ echo "bench rc=$bench" >> "$out/bench.log"
 torchrun --nproc_per_node 1 benchmarks/probe_small_calls.py --out "$out/probe" > "$out/probe.log" 2>&1
 echo "probe rc=$?" >> "$out/probe.log"
 grep -E "passed|failed|rc=" "$out/tests.log" 2>/dev/null | tail -n 2
+grep -E "passed|failed|rc=" "$out/cpu_tests.log" 2>/dev/null | tail -n 2
 grep -E "^\| (0-dim|1-element|served|pageable)" "$out/bench.log"
 grep -E "latency_us|cpu_us" "$out/probe.log"
 exit $(( rc | bench ))
