@@ -348,13 +348,23 @@ def accelerator_call_served(group: dist.ProcessGroup, device_type: str, collecti
 
 
 def unstaged_layout(tensor, group, collective: str, served) -> None:
-    """``None`` (left to torch) for a sparse, nested or quantized CPU tensor on a group that serves CPU; otherwise
+    """``None`` (left to torch) for a sparse, nested or quantized CPU tensor, or one of a tensor subclass with its own
+    ``__torch_dispatch__``, on a group that serves CPU; otherwise
     :class:`StagingError`, on every rank before any collective: the accelerator backends have no sparse
     collectives (NCCL: 'NCCL does not support all_reduce with sparse tensors'), and a quantized tensor cannot be
     copied as its bytes, so staging could only fail later (on some ranks only: a broadcast's receivers copy
     nothing in), or convert behind the caller's back."""
     if "cpu" in served:
         return None
+    if tensor.layout == torch.strided and not tensor.is_nested and not tensor.is_quantized:  # a dispatch subclass
+        raise StagingError(
+            f"offload_shim: {collective} got a {type(tensor).__name__} on {tensor.device} ({tuple(tensor.shape)}, "
+            f"{tensor.dtype}), a tensor subclass with a __torch_dispatch__ of its own, and process group "
+            f"{group_label(group)} with backend {backend_description(group)!r} serves device types {sorted(served)} "
+            f"only. offload_shim stages tensors whose bytes are their values only. Ways out: pass its plain tensors "
+            f"(a DTensor's to_local(), or full_tensor()); or give the group a CPU backend, e.g. "
+            f"init_process_group({with_cpu_backend(group, served)!r}). The tensor was not modified."
+        )
     if tensor.is_quantized:
         kind, dense = "quantized", "tensor.dequantize()"
     else:

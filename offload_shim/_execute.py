@@ -110,13 +110,11 @@ def _refusals(plan: Plan):
         if role == NONE:
             continue
         for tensor in _tensors(call.values.get(arg.name)):
-            error = None if role == READ else overlapping(tensor)
-            if error is not None:
-                raise error  # (before anything is staged, and not counted)
-            if arg.refusal is None:
-                continue
-            error = arg.refusal(tensor)
+            error = None if arg.refusal is None else arg.refusal(tensor)  # (torch's own checks first)
             if error is None or arg.refusal in AUTOGRAD and _stream_ordered(call.group, plan.device):
+                error = None if role == READ else overlapping(tensor)
+                if error is not None:
+                    raise error  # (before anything is staged, and not counted)
                 continue
             if arg.refusal not in AFTER_THE_WIRE:
                 raise error  # (before anything is staged, and not counted)

@@ -194,7 +194,7 @@ def _decide(call: Call, group) -> Plan | None:
     if not served and _devices.unreadable(group):
         return None  # what the group serves cannot be read: torch's call, untouched
     for tensor in host:
-        if not _staging.needs_staging(tensor):  # sparse, nested or quantized: left to a CPU backend, never staged
+        if not _staging.needs_staging(tensor):  # sparse, nested, quantized, a dispatch subclass: never staged
             return _devices.unstaged_layout(tensor, group, call.entry.label, served)
     cpu = _devices.backend_for(group, "cpu")
     if others:

@@ -382,14 +382,19 @@ def finish_writes_to(tensors) -> None:
 def needs_staging(value, source: str = "cpu") -> bool:
     """Whether ``value`` is a tensor that a staged call copies: a strided (dense), non-nested, non-quantized tensor
     on a device of type ``source`` (the host's, or for staging through the host an accelerator's). Sparse, nested
-    and quantized tensors are never staged (see ``_devices._unstaged_layout``)."""
+    and quantized tensors are never staged, nor host tensors of a subclass with a ``__torch_dispatch__`` of its own
+    (DTensor, a wrapper of two tensors: their bytes are not their values; see ``_devices.unstaged_layout``)."""
     return (
         isinstance(value, torch.Tensor)
         and (value.is_cpu if source == "cpu" else value.device.type == source)
         and value.layout == torch.strided
         and not value.is_nested
         and not value.is_quantized
+        and (source != "cpu" or type(value).__torch_dispatch__ is _PLAIN_DISPATCH)
     )
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__  # (torch's own: disabled)
 
 
 class StagedArguments:

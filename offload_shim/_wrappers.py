@@ -14,6 +14,7 @@ wrapper would be taken for a receive once :func:`offload_shim.uninstall` has bou
 
 from __future__ import annotations
 
+import dis
 import functools
 import logging
 import math
@@ -103,20 +104,33 @@ def _callers(name: str) -> frozenset:
     return frozenset(codes)
 
 
-def _handed(name: str, seen: frozenset = frozenset()) -> bool:
-    """Whether torch's collective ``name`` hands a call to ``__torch_function__``, itself or through a collective of
-    the table it calls by name, where a tensor's type overrides it or a ``TorchFunctionMode`` is active (torch 2.13's
-    collectives do, with the shim's wrapper as the function: the override's own call of it, with plain tensors, is
-    decided as any call). The shim then passes such a call to torch undecided, reading nothing of its tensors (a
-    read of ``is_cpu`` would be handed to the override too)."""
+def _handed(name: str, seen: frozenset = frozenset()) -> frozenset:
+    """The parameters of torch's collective ``name`` whose tensors make torch hand the call to
+    ``__torch_function__`` (its ``relevant_args``, read from its code, or from the code of a collective of the table
+    it calls by name with the same parameter), where a tensor's type overrides it or a ``TorchFunctionMode`` is
+    active; empty where torch hands nothing on (torch 2.13's collectives do, with the shim's wrapper as the function:
+    the override's own call of it, with plain tensors, is decided as any call). The shim passes such a call to torch
+    undecided (a read of ``is_cpu`` would be handed to the override too). Every parameter of the table's entry where
+    torch hands calls on but its ``relevant_args`` cannot be read."""
     chain = _chain(getattr(dist.distributed_c10d, name, None))
     code = getattr(chain[-1], "__code__", None) if chain else None
     if code is None:
-        return False
+        return frozenset()
+    parameters = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     if "handle_torch_function" in code.co_names:
-        return True
+        loads = []
+        for instruction in dis.get_instructions(code):
+            if instruction.opname.startswith("LOAD_FAST"):
+                value = instruction.argval
+                loads.extend(value if isinstance(value, tuple) else [value])
+            elif instruction.opname.startswith("STORE_FAST"):
+                if instruction.argval == "relevant_args":
+                    return frozenset(n for n in loads if n in parameters)
+                loads = []
+        return frozenset(a.name for a in _table.C10D[name].args) if name in _table.C10D else frozenset(parameters)
     seen = seen | {name}
-    return any(_handed(other, seen) for other in _table.C10D if other not in seen and other in code.co_names)
+    return frozenset(n for other in _table.C10D if other not in seen and other in code.co_names
+                     for n in _handed(other, seen) if n in parameters)
 
 
 def c10d_wrapper(entry: _table.Collective):
@@ -132,7 +146,7 @@ def c10d_wrapper(entry: _table.Collective):
         group_at = parameters.position("group")
         lazy = _devices.refused_for_host(label)  # accelerator tensors go to torch first (see _devices)
         callers = _callers(entry.name)  # torch's collectives that call this one (see _callers)
-        handed = _handed(entry.name)  # calls with overriding tensors go to their __torch_function__ (see _handed)
+        handed = _handed(entry.name)  # where overriding tensors send the call to __torch_function__ (see _handed)
         answers = _groups.host_answers
 
         def stage(wrapped, args, kwargs, group, refused=None):
@@ -145,11 +159,12 @@ def c10d_wrapper(entry: _table.Collective):
 
         if entry.wire == _table.ELEMENTWISE:  # one tensor, in place: the shortest served path
             at = parameters.position(entry.args[0].name)
+            handed_on = entry.args[0].name in handed
 
             def in_place(wrapped, instance, args, kwargs):
                 # Every call passes here: the decision for one that needs no staging is kept to a few attribute reads.
                 tensor = args[at] if len(args) > at else kwargs.get("tensor")
-                if not isinstance(tensor, Tensor) or handed and _overrides(tensor):
+                if not isinstance(tensor, Tensor) or handed_on and _overrides(tensor):
                     return wrapped(*args, **kwargs)
                 if not tensor.is_cpu:  # an accelerator's tensor: through the host where the group has no backend
                     try:  # torch first (_devices.torch_first, inline): it refuses before any wire
@@ -188,24 +203,24 @@ def c10d_wrapper(entry: _table.Collective):
 
             return in_place
 
-        positions = [(a.name, parameters.position(a.name)) for a in entry.args]
+        positions = [(a.name, parameters.position(a.name), a.name in handed) for a in entry.args]
 
         def wrapper(wrapped, instance, args, kwargs):
             # Every call passes here: one pass over its tensor arguments decides most calls that need no staging.
             if callers and _called_from(callers):  # by torch's call of another wrapped collective: undecided
                 return wrapped(*args, **kwargs)
             host, kind, accelerator = False, None, None  # (a tensor's device type is read only where needed)
-            for name, at in positions:
+            for name, at, handed_on in positions:
                 value = args[at] if len(args) > at else kwargs.get(name)
                 if isinstance(value, Tensor):
-                    if handed and _overrides(value):
+                    if handed_on and _overrides(value):
                         return wrapped(*args, **kwargs)
                     if value.is_cpu:
                         host = True
                     elif accelerator is None:
                         accelerator = value
                 elif isinstance(value, (list, tuple)):
-                    if handed and _any_overrides(value):
+                    if handed_on and _any_overrides(value):
                         return wrapped(*args, **kwargs)
                     found_host, found_kind = _devices_of(value)
                     host, kind = host or found_host, kind or found_kind
@@ -239,6 +254,7 @@ def c10d_wrapper(entry: _table.Collective):
             return wrapper
         first_at, second_at = (parameters.position(a.name) for a in entry.args)
         last = max(first_at, second_at)
+        first_handed, second_handed = (a.name in handed for a in entry.args)
 
         def pair(wrapped, instance, args, kwargs):
             # Two tensors given by position (all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single), the
@@ -247,7 +263,7 @@ def c10d_wrapper(entry: _table.Collective):
             if len(args) > last:
                 first, second = args[first_at], args[second_at]
                 if isinstance(first, Tensor) and isinstance(second, Tensor):
-                    if handed and _overrides(second):  # (the input: what torch hands on, in each of the three)
+                    if first_handed and _overrides(first) or second_handed and _overrides(second):
                         return wrapped(*args, **kwargs)
                     host = first.is_cpu
                     if host is second.is_cpu:

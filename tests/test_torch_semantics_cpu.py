@@ -746,6 +746,9 @@ def test_a_group_whose_store_keeps_nothing_goes_to_torch_untouched():
     assert run.stderr.count("its store cannot be written (a FakeStore)") == 1, run.stderr[-3000:]
 
 
+from torch.testing._internal.two_tensor import TwoTensor  # noqa: E402  (torch's own test subclass)
+
+
 class _CollectivesOnly(torch.Tensor):
     """A tensor whose ``__torch_function__`` handles torch.distributed's collectives (its own answer) and nothing
     else: torch hands it the collective before reading anything of the tensor."""
@@ -803,6 +806,21 @@ def check_torch_function_overrides():
         with _Recording() as mode:
             dist.all_reduce(plain, group=group)
         answers["mode"] = (mode.seen, plain.tolist())
+        # Overriding tensors where torch hands nothing on (outputs of gathers: torch looks at the input): decided.
+        outs = [torch.zeros(4).as_subclass(_Unwrapping) for _ in range(2)]
+        dist.all_gather(outs, torch.full((4,), float(rank + 1)), group=group)
+        flat = torch.zeros(8).as_subclass(_Unwrapping)
+        dist.all_gather_into_tensor(output_tensor=flat, input_tensor=torch.full((4,), float(rank + 1)), group=group)
+        answers["outputs overriding"] = ([o.as_subclass(torch.Tensor).tolist() for o in outs],
+                                         flat.as_subclass(torch.Tensor).tolist())
+        # A subclass with its own __torch_dispatch__ (its bytes are not its values): never staged, handed to torch
+        # (whose dispatch to it runs the collective on each inner tensor; torch waits for the first one only, so
+        # only that one's result is compared).
+        two = TwoTensor(torch.full((4,), float(rank + 1)), torch.full((4,), 100.0 * (rank + 1)))
+        offload_shim.reset_staging_counters()
+        dist.all_reduce(two, group=group)
+        answers["two tensors"] = (two.a.tolist(), dict(offload_shim.staging_counters()))
+        dist.barrier(group=group)
         return answers
 
     got["torch"] = calls(install=False)
@@ -818,7 +836,9 @@ def test_torch_function_overrides(gloo_ranks):
             pytest.skip("this torch hands no collective to __torch_function__")
         assert got["shim"] == got["torch"], got
         assert got["torch"]["unwrapped"] == ("_Unwrapping", [3.0] * 4) and got["torch"]["mode"][1] == [3.0] * 4, got
-        assert got["decisions"] == ["cpu", "cpu"], got  # the unwrapped call and the mode's call, staged
+        # Staged: the unwrapped call, the mode's call, the gathers into overriding outputs; never the TwoTensor.
+        assert got["decisions"] == ["cpu"] * 4, got
+        assert got["torch"]["two tensors"] == ([3.0] * 4, {}), got
 
 
 def check_overlapping_outputs_refused_before_the_wire():
@@ -834,6 +854,7 @@ def check_overlapping_outputs_refused_before_the_wire():
             "all_reduce, pipelined": lambda t: dist.all_reduce(t, group=group),
             # (each rank names the other as the source, so each writes: refused on both before any wire)
             "broadcast to it": lambda t: dist.broadcast(t, src=1 - rank, group=group),
+            "recv into it": lambda t: dist.recv(t, src=1 - rank, group=group),  # (torch's contiguity check first)
         }.items():
             base = torch.full((1,), float(rank + 1))
             overlapping = base.expand(8 if "pipelined" in name else 3)
@@ -853,4 +874,20 @@ def test_overlapping_outputs_refused_before_the_wire(gloo_ranks):
         for name in ("all_reduce", "all_reduce, pipelined"):
             assert got[name] == ((RuntimeError, message), [float(rank + 1)], {}), (name, got)
         assert got["broadcast to it"] == ((RuntimeError, message), [float(rank + 1)], {}), got
-        assert got["broadcast from it"] == [5.0] * 3 and got["decisions"] == ["cpu"] * 4, got  # (refused once decided)
+        assert got["recv into it"] == ((RuntimeError, "input tensor has to be contiguous"), [float(rank + 1)], {}), got
+        assert got["broadcast from it"] == [5.0] * 3 and got["decisions"] == ["cpu"] * 5, got  # (refused once decided)
+
+
+def check_dispatch_subclass_refused_where_staging_is_needed():
+    """A host tensor of a subclass with its own ``__torch_dispatch__``, on a group that serves only the
+    accelerator: refused with StagingError on every rank before anything runs, unchanged."""
+    offload_shim.install()
+    group = dist.new_group([0, 1], backend="cuda:gloo")
+    two = TwoTensor(torch.ones(4), torch.full((4,), 2.0))
+    error = _error(lambda: dist.all_reduce(two, group=group))
+    return error[0].__name__, "a tensor subclass with a __torch_dispatch__ of its own" in error[1], two.b.tolist()
+
+
+def test_dispatch_subclass_refused_where_staging_is_needed(gloo_ranks):
+    for got in gloo_ranks.run(check_dispatch_subclass_refused_where_staging_is_needed):
+        assert got == ("StagingError", True, [2.0] * 4), got
