@@ -127,7 +127,7 @@ def _handed(name: str, seen: frozenset = frozenset()) -> frozenset:
                 if instruction.argval == "relevant_args":
                     return frozenset(n for n in loads if n in parameters)
                 loads = []
-        return frozenset(a.name for a in _table.C10D[name].args) if name in _table.C10D else frozenset(parameters)
+        return frozenset(a.name for a in _table.C10D[name].args)  # (name: always an entry of the table)
     seen = seen | {name}
     return frozenset(n for other in _table.C10D if other not in seen and other in code.co_names
                      for n in _handed(other, seen) if n in parameters)
