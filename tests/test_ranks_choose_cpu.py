@@ -335,9 +335,10 @@ def test_small_host_calls_on_a_two_backend_group_when_ranks_differ(gloo_ranks):
 
 def check_answer_dropped_with_its_agreement():
     """The served path's answer on a group with a CPU and an accelerator backend is found from the ranks' agreement:
-    when the ranks agree again (here: agreeing that every rank can route, as a call through another path would),
-    the answer goes with the agreement it came from, and the next host call is decided again; an answer found from
-    an agreement already replaced is never kept."""
+    when the ranks agree again (here: on the other answer to whether every rank can route, as a call through another
+    path could), the answer goes with the agreement it came from, and the next host call is decided again; an answer
+    found from an agreement already replaced is never kept. Where the ranks can route (a machine with an
+    accelerator), the answer is the routing threshold; where none can, every size."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
     from offload_shim import _config, _groups, _plan
@@ -349,15 +350,16 @@ def check_answer_dropped_with_its_agreement():
     with counting_calls(_plan, "decide") as decided:
         dist.all_reduce(tensor, group=group)
         dist.all_reduce(tensor, group=group)
-        seen["kept"] = (len(decided), _groups.host_answers.get(group))
         first = _groups.state_of(group).agreement
-        again = _groups.agree(group, _config.settings(), None, "test", can_route=True)  # on every rank alike
+        answer = _config.settings().route_min_bytes if first.route else float("inf")
+        seen["kept"] = (len(decided), _groups.host_answers.get(group) == answer)
+        again = _groups.agree(group, _config.settings(), None, "test", can_route=not first.route)  # every rank alike
         seen["replaced"] = (again is not first, group in _groups.host_answers)
         _groups.keep_answer(group, _config.settings(), 64, first)  # found from the agreement replaced
         seen["stale kept"] = group in _groups.host_answers
-        dist.all_reduce(tensor, group=group)  # decided: agrees again (no rank can route) and keeps its answer
+        dist.all_reduce(tensor, group=group)  # decided: agrees again (as at first) and keeps its answer
         dist.all_reduce(tensor, group=group)
-        seen["again"] = (len(decided), _groups.host_answers.get(group), tensor.tolist())
+        seen["again"] = (len(decided), _groups.host_answers.get(group) == answer, tensor.tolist())
     dist.destroy_process_group(group)
     seen["destroyed"] = group in _groups.host_answers
     return seen
@@ -365,8 +367,8 @@ def check_answer_dropped_with_its_agreement():
 
 def test_answer_dropped_with_its_agreement(gloo_ranks):
     for seen in gloo_ranks.run(check_answer_dropped_with_its_agreement):
-        assert seen == {"kept": (1, float("inf")), "replaced": (True, False), "stale kept": False,
-                        "again": (2, float("inf"), [16.0] * 4), "destroyed": False}, seen
+        assert seen == {"kept": (1, True), "replaced": (True, False), "stale kept": False,
+                        "again": (2, True, [16.0] * 4), "destroyed": False}, seen
 
 
 def check_answer_not_kept_past_a_configure():
