@@ -52,25 +52,16 @@ def median_difference(spent: dict, one: str, other: str) -> float:
     return statistics.median(a - b for a, b in zip(spent[one], spent[other])) * 1e-9
 
 
-def measure(calls: int, rounds: int) -> dict:
+def one_rank_groups():
+    """A one-rank Gloo process group made the default, and a one-rank group with a CPU and an accelerator backend
+    (``cpu:gloo`` and the accelerator's, or PyTorch's fake backend for CUDA where there is none), returned."""
     import torch
     import torch.distributed as dist
-
-    import offload_shim
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    tensor, gathered, scattered = torch.ones(1), torch.empty(1), torch.empty(1)
-    cases = {  # name: (the torch.distributed function, a call of it)
-        "all_reduce": ("all_reduce", lambda: dist.all_reduce(tensor)),
-        "broadcast": ("broadcast", lambda: dist.broadcast(tensor, 0)),
-        "all_gather_into_tensor": ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(gathered, tensor)),
-        "reduce_scatter_tensor": ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(scattered, tensor)),
-    }
-    # A CPU tensor on a group with a CPU and an accelerator backend (torch's fake backend standing in for the
-    # accelerator's where there is none): the answer kept from its first, decided, call serves it.
     if torch.accelerator.is_available():
         kind = torch.accelerator.current_accelerator().type
         two = f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map[kind]}"
@@ -78,7 +69,25 @@ def measure(calls: int, rounds: int) -> dict:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
         two = "cpu:gloo,cuda:fake"
-    two_backends = dist.new_group([0], backend=two)
+    return dist.new_group([0], backend=two)
+
+
+def measure(calls: int, rounds: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import offload_shim
+
+    two_backends = one_rank_groups()
+    tensor, gathered, scattered = torch.ones(1), torch.empty(1), torch.empty(1)
+    cases = {  # name: (the torch.distributed function, a call of it)
+        "all_reduce": ("all_reduce", lambda: dist.all_reduce(tensor)),
+        "broadcast": ("broadcast", lambda: dist.broadcast(tensor, 0)),
+        "all_gather_into_tensor": ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(gathered, tensor)),
+        "reduce_scatter_tensor": ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(scattered, tensor)),
+    }
+    # A CPU tensor on a group with a CPU and an accelerator backend: the answer kept from its first, decided, call
+    # serves it.
     cases["all_reduce, CPU tensor, two-backend group"] = (
         "all_reduce", lambda: dist.all_reduce(tensor, group=two_backends))
     if torch.accelerator.is_available():  # and accelerator tensors on a one-rank group of the accelerator's backend

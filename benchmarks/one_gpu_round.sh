@@ -6,7 +6,7 @@
 # CPU_TESTS: a pytest -k expression for the CPU tests to run under this machine's torch too (default: those of the
 #   served path's answers, __torch_function__ and overlapping outputs; "none": none);
 # SECTIONS: bench_staging.py's --only (default: copy_limits,small,served,pageable); PROBE=none: no probe of the replayed
-#   small call.
+#   small call; COLD=none: no probe of the served path with the caches evicted (probe_served_cold_cache.py).
 set -u -o pipefail
 out=${1:?OUTDIR}
 mkdir -p "$out"
@@ -39,6 +39,10 @@ echo "bench rc=$bench" >> "$out/bench.log"
 if [ "${PROBE:-}" != none ]; then
   torchrun --nproc_per_node 1 benchmarks/probe_small_calls.py --out "$out/probe" > "$out/probe.log" 2>&1
   echo "probe rc=$?" >> "$out/probe.log"
+fi
+if [ "${COLD:-}" != none ]; then  # the served path's decision where the wrapped call evicts the host's caches
+  python3 benchmarks/probe_served_cold_cache.py --thrash 0,1024,8192,65536 --turns 5000 --out "$out/cold_cache.json" \
+    > "$out/cold_cache.log" 2>&1
 fi
 grep -E "passed|failed|rc=" "$out/tests.log" 2>/dev/null | tail -n 2
 grep -E "passed|failed|rc=" "$out/cpu_tests.log" 2>/dev/null | tail -n 2

@@ -32,3 +32,19 @@ def test_served_path_benchmark_reports_each_case(tmp_path):
     decisions = report["accelerator_decision_beyond_wrapt_cpu_us_per_call"]
     assert sorted(decisions) == sorted(f"{name}, accelerator tensors (meta)" for name in ops), decisions
     assert all(isinstance(value, float) for value in decisions.values()) and result.stdout.count("(meta)") == 4
+
+
+def test_cold_cache_probe_reports_each_case_and_size(tmp_path):
+    out = tmp_path / "cold.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "probe_served_cold_cache.py"), "--turns", "50", "--thrash", "0,8",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(out.read_text())["figures"]
+    assert [(f["case"], f["thrash_kib"], f["turns"]) for f in figures] == [
+        (case, kib, 50) for case in ("all_reduce, CPU tensor, two-backend group", "reduce_scatter_tensor, meta tensors")
+        for kib in (0, 8)]
+    assert all(f["call_us"] > 0 and isinstance(f["shim_beyond_pass_through_us"], float) for f in figures), figures
+    assert result.stdout.count("beyond a pass-through") == 4
