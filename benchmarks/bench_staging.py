@@ -279,7 +279,11 @@ def served_path(bench) -> None:
     to back, so the host's drift cancels). A second pass-through wrapper of its own measured beside the first shows
     what the method itself resolves (two wrappers that do the same differ by the layout of their objects and code).
     Where torch calls one collective from another, the inner call passes through the shim's wrapper on every side
-    alike. Then the wrapper's decision alone: the shim's wrapper function
+    alike. The floor beside them: a wrapt wrapper with the shim's on/off switch (``enabled``, which
+    :func:`offload_shim.uninstall` turns off for references kept elsewhere) that reads what any served decision must
+    read of the call (each tensor argument's device, and the size of a host tensor on a group that can route host
+    calls through the accelerator) and passes the call on: with the caches cold from the collective before, those
+    reads cost more than the rest of the decision. Then the wrapper's decision alone: the shim's wrapper function
     and a pass-through one around a function that does nothing."""
     import wrapt
 
@@ -290,27 +294,46 @@ def served_path(bench) -> None:
     host = torch.ones(1)
     through = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)  # noqa: E731
     through_again = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)  # noqa: E731
+
+    # The floor: what any served decision reads of the call, and nothing else (see the docstring).
+    def device_of_one(wrapped, instance, args, kwargs):
+        args[0].is_cpu
+        return wrapped(*args, **kwargs)
+
+    def devices_of_two(wrapped, instance, args, kwargs):
+        args[0].is_cpu, args[1].is_cpu
+        return wrapped(*args, **kwargs)
+
+    def device_and_size(wrapped, instance, args, kwargs):
+        args[0].is_cpu, args[0].nbytes
+        return wrapped(*args, **kwargs)
+
     cases = {
-        "all_reduce, accelerator tensor": ("all_reduce", (gpu,), {"group": nccl}),
-        "broadcast, accelerator tensor": ("broadcast", (gpu, 0), {"group": nccl}),
-        "all_gather_into_tensor, accelerator tensors": ("all_gather_into_tensor", (gathered, gpu), {"group": nccl}),
-        "reduce_scatter_tensor, accelerator tensors": ("reduce_scatter_tensor", (scattered, gpu), {"group": nccl}),
-        "all_reduce, CPU tensor on a group that serves CPU": ("all_reduce", (host,), {"group": gloo}),
+        "all_reduce, accelerator tensor": ("all_reduce", (gpu,), {"group": nccl}, device_of_one),
+        "broadcast, accelerator tensor": ("broadcast", (gpu, 0), {"group": nccl}, device_of_one),
+        "all_gather_into_tensor, accelerator tensors": ("all_gather_into_tensor", (gathered, gpu), {"group": nccl},
+                                                        devices_of_two),
+        "reduce_scatter_tensor, accelerator tensors": ("reduce_scatter_tensor", (scattered, gpu), {"group": nccl},
+                                                       devices_of_two),
+        "all_reduce, CPU tensor on a group that serves CPU": ("all_reduce", (host,), {"group": gloo}, device_and_size),
     }
     turns = 500 if bench.smoke else 20000
     offload_shim.install()
-    for name, (function, args, kwargs) in cases.items():
+    for name, (function, args, kwargs, reads) in cases.items():
         shim = getattr(dist, function)  # the shim's FunctionWrapper
         torch_function = shim.__wrapped__
         routes = {"on": shim, "off": torch_function, "wrapt": wrapt.FunctionWrapper(torch_function, through),
-                  "wrapt_again": wrapt.FunctionWrapper(torch_function, through_again)}  # (the method's own spread)
+                  "wrapt_again": wrapt.FunctionWrapper(torch_function, through_again),  # (the method's own spread)
+                  "switch": wrapt.FunctionWrapper(torch_function, through, enabled=[True]),
+                  "floor": wrapt.FunctionWrapper(torch_function, reads, enabled=[True])}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's deprecation of the *_tensor names
             spent = in_turn(routes, args, kwargs, turns, between=bench.sync)
         bench.sync()
         middle = {route: statistics.median(values) * 1e-9 for route, values in spent.items()}
         paired = {pair: median_difference(spent, *pair)
-                  for pair in (("on", "wrapt"), ("on", "off"), ("wrapt", "off"), ("wrapt_again", "wrapt"))}
+                  for pair in (("on", "wrapt"), ("on", "off"), ("wrapt", "off"), ("wrapt_again", "wrapt"),
+                               ("switch", "wrapt"), ("floor", "wrapt"), ("on", "floor"))}
         # The wrapper's own work, apart from the collective's: the shim's wrapper function and a pass-through one,
         # called around a function that does nothing, with this case's arguments (the group's answers cached by the
         # calls above).
@@ -334,6 +357,9 @@ def served_path(bench) -> None:
                      paired_added_cpu_seconds=bench.slowest(paired["on", "off"]),
                      paired_wrapt_pass_through_added_cpu_seconds=bench.slowest(paired["wrapt", "off"]),
                      paired_second_pass_through_beyond_wrapt_cpu_seconds=bench.slowest(paired["wrapt_again", "wrapt"]),
+                     paired_switch_beyond_wrapt_cpu_seconds=bench.slowest(paired["switch", "wrapt"]),
+                     paired_floor_beyond_wrapt_cpu_seconds=bench.slowest(paired["floor", "wrapt"]),
+                     paired_added_beyond_floor_cpu_seconds=bench.slowest(paired["on", "floor"]),
                      decision_beyond_pass_through_cpu_seconds=bench.slowest(low["shim"] - low["pass_through"]),
                      median_decision_beyond_pass_through_cpu_seconds=bench.slowest(
                          statistics.median(alone["shim"]) - statistics.median(alone["pass_through"])))

@@ -3,6 +3,8 @@ does: the shim's wrapper function and a pass-through one (and a second pass-thro
 through a wrapt ``FunctionWrapper`` around a function that copies ``--thrash`` KiB between two host buffers in place
 of the collective, called in turn (one call of each, the order rotated every turn) for ``--turns`` turns; what the
 shim adds is the median over the turns of the difference within a turn, in microseconds of the thread's CPU time.
+Beside them, the floor: a wrapper that only reads what any served decision reads of the call (the tensors' devices,
+and a host tensor's size) before passing it on.
 
     python benchmarks/probe_served_cold_cache.py [--thrash 0,256,1024,4096] [--turns 20000] [--out FILE.json]
 
@@ -37,10 +39,6 @@ def main() -> None:
     two_backends = one_rank_groups()
     offload_shim.install()
     host, output, source = torch.ones(1), torch.empty(1, device="meta"), torch.empty(1, device="meta")
-    cases = {
-        "all_reduce, CPU tensor, two-backend group": ("all_reduce", (host,), {"group": two_backends}),
-        "reduce_scatter_tensor, meta tensors": ("reduce_scatter_tensor", (output, source), {}),
-    }
 
     def through(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
@@ -48,8 +46,21 @@ def main() -> None:
     def through_again(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
+    # The floor (as bench_staging.py's served section): what any served decision reads of the call, and nothing else.
+    def device_and_size(wrapped, instance, args, kwargs):
+        args[0].is_cpu, args[0].nbytes
+        return wrapped(*args, **kwargs)
+
+    def devices_of_two(wrapped, instance, args, kwargs):
+        args[0].is_cpu, args[1].is_cpu
+        return wrapped(*args, **kwargs)
+
+    cases = {
+        "all_reduce, CPU tensor, two-backend group": ("all_reduce", (host,), {"group": two_backends}, device_and_size),
+        "reduce_scatter_tensor, meta tensors": ("reduce_scatter_tensor", (output, source), {}, devices_of_two),
+    }
     figures = []
-    for name, (function, args, kwargs) in cases.items():
+    for name, (function, args, kwargs, reads) in cases.items():
         shim = getattr(dist, function)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's deprecation of the *_tensor names
@@ -61,17 +72,19 @@ def main() -> None:
                 into[:] = out_of
 
             routes = {side: wrapt.FunctionWrapper(collective, body) for side, body in
-                      (("shim", shim._self_wrapper), ("pass_through", through), ("again", through_again))}
+                      (("shim", shim._self_wrapper), ("pass_through", through), ("again", through_again),
+                       ("floor", reads))}
             spent = in_turn(routes, args, kwargs, options.turns)
             added = {side: statistics.median(a - b for a, b in zip(spent[side], spent["pass_through"])) / 1000
-                     for side in ("shim", "again")}
+                     for side in ("shim", "again", "floor")}
             figures.append({"case": name, "thrash_kib": kib, "turns": options.turns,
                             "call_us": statistics.median(spent["pass_through"]) / 1000,
                             "shim_beyond_pass_through_us": added["shim"],
-                            "second_pass_through_beyond_first_us": added["again"]})
+                            "second_pass_through_beyond_first_us": added["again"],
+                            "floor_beyond_pass_through_us": added["floor"]})
             print(f"{name}, {kib} KiB evicted per call ({figures[-1]['call_us']:.1f} us a call): the shim "
-                  f"{added['shim']:.3f} us beyond a pass-through; a second pass-through {added['again']:+.3f} us",
-                  flush=True)
+                  f"{added['shim']:.3f} us beyond a pass-through; the floor (the reads alone) {added['floor']:.3f}; "
+                  f"a second pass-through {added['again']:+.3f} us", flush=True)
     if options.out:
         with open(options.out, "w") as f:
             json.dump({"torch": torch.__version__, "figures": figures}, f, indent=1)

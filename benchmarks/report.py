@@ -73,6 +73,12 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, str]]:
                              f"{us(r['shim_on_cpu_seconds'])} on, {us(r['shim_off_cpu_seconds'])} off (min per call); "
                              f"a wrapt pass-through wrapper adds {us(r['wrapt_pass_through_added_cpu_seconds'])}",
                              "yes" if added <= 0.5e-6 else "no"))
+            floor = r.get("paired_floor_beyond_wrapt_cpu_seconds")
+            if floor is not None:
+                rows.append((f"served path, {r['case']}: beyond the floor (the reads any decision makes, and the "
+                             "on/off switch)", f"{us(r['paired_added_beyond_floor_cpu_seconds'])} us",
+                             f"the floor {us(floor)} beyond a wrapt pass-through, the switch alone "
+                             f"{us(r['paired_switch_beyond_wrapt_cpu_seconds'])}", "-"))
             decision = r.get("decision_beyond_pass_through_cpu_seconds")
             if decision is not None:
                 rows.append((f"served path, {r['case']}: the decision alone <= 0.5 us beyond a pass-through wrapper",

@@ -46,5 +46,6 @@ def test_cold_cache_probe_reports_each_case_and_size(tmp_path):
     assert [(f["case"], f["thrash_kib"], f["turns"]) for f in figures] == [
         (case, kib, 50) for case in ("all_reduce, CPU tensor, two-backend group", "reduce_scatter_tensor, meta tensors")
         for kib in (0, 8)]
-    assert all(f["call_us"] > 0 and isinstance(f["shim_beyond_pass_through_us"], float) for f in figures), figures
+    assert all(f["call_us"] > 0 and isinstance(f["shim_beyond_pass_through_us"], float)
+               and isinstance(f["floor_beyond_pass_through_us"], float) for f in figures), figures
     assert result.stdout.count("beyond a pass-through") == 4
