@@ -79,6 +79,10 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, str]]:
                              "on/off switch)", f"{us(r['paired_added_beyond_floor_cpu_seconds'])} us",
                              f"the floor {us(floor)} beyond a wrapt pass-through, the switch alone "
                              f"{us(r['paired_switch_beyond_wrapt_cpu_seconds'])}", "-"))
+                rows.append((f"served path, {r['case']}: the shim's wrapper made beside the references, <= 0.5 us CPU "
+                             "beyond a wrapt pass-through", f"{us(r['paired_made_here_beyond_wrapt_cpu_seconds'])} us",
+                             f"{us(r['paired_made_here_beyond_floor_cpu_seconds'])} us beyond the floor",
+                             "yes" if r["paired_made_here_beyond_wrapt_cpu_seconds"] <= 0.5e-6 else "no"))
             decision = r.get("decision_beyond_pass_through_cpu_seconds")
             if decision is not None:
                 rows.append((f"served path, {r['case']}: the decision alone <= 0.5 us beyond a pass-through wrapper",
