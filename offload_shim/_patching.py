@@ -134,7 +134,7 @@ def _apply(target: Target) -> None:
         if value is None or any(b.original is value for b in bindings):
             continue
         live = [True]
-        # wrapt calls the wrapper only while ``live`` is true (a non-empty list), in C, at no cost of our own.
+        # wrapt calls the wrapper only while ``live`` is true (a non-empty list): one read of the list a call, in C.
         wrapper = wrapt.FunctionWrapper(value, target.make_wrapper(reference), enabled=live)
         _ours[id(wrapper)] = weakref.ref(wrapper, lambda _, key=id(wrapper): _ours.pop(key, None))
         setattr(site, target.name, wrapper)
