@@ -54,7 +54,8 @@ import torch
 import torch.distributed as dist
 
 import offload_shim
-from bench_wrapper_cpu import in_turn, median_difference  # (benchmarks/, the script's folder, is on sys.path)
+from bench_wrapper_cpu import (  # (benchmarks/, the script's folder, is on sys.path)
+    device_and_size, device_of_one, devices_of_two, in_turn, median_difference)
 from offload_shim import _config, _execute, _staging, _table, _wrappers
 
 MiB = 1 << 20
@@ -297,19 +298,6 @@ def served_path(bench) -> None:
     host = torch.ones(1)
     through = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)  # noqa: E731
     through_again = lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)  # noqa: E731
-
-    # The floor: what any served decision reads of the call, and nothing else (see the docstring).
-    def device_of_one(wrapped, instance, args, kwargs):
-        args[0].is_cpu
-        return wrapped(*args, **kwargs)
-
-    def devices_of_two(wrapped, instance, args, kwargs):
-        args[0].is_cpu, args[1].is_cpu
-        return wrapped(*args, **kwargs)
-
-    def device_and_size(wrapped, instance, args, kwargs):
-        args[0].is_cpu, args[0].nbytes
-        return wrapped(*args, **kwargs)
 
     cases = {
         "all_reduce, accelerator tensor": ("all_reduce", (gpu,), {"group": nccl}, device_of_one),

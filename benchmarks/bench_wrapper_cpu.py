@@ -47,6 +47,24 @@ def in_turn(routes: dict, args: tuple, kwargs: dict, turns: int, between=None) -
     return spent
 
 
+# The floor of a served decision, as wrapt wrapper functions: what any decision must read of the call (each tensor
+# argument's device; and the size of a host tensor on a group that can route host calls through the accelerator, whose
+# answer depends on it), and nothing else, before passing the call on.
+def device_of_one(wrapped, instance, args, kwargs):
+    args[0].is_cpu
+    return wrapped(*args, **kwargs)
+
+
+def devices_of_two(wrapped, instance, args, kwargs):
+    args[0].is_cpu, args[1].is_cpu
+    return wrapped(*args, **kwargs)
+
+
+def device_and_size(wrapped, instance, args, kwargs):
+    args[0].is_cpu, args[0].nbytes
+    return wrapped(*args, **kwargs)
+
+
 def median_difference(spent: dict, one: str, other: str) -> float:
     """The median over the turns of route ``one``'s time less route ``other``'s in the same turn, in seconds."""
     return statistics.median(a - b for a, b in zip(spent[one], spent[other])) * 1e-9

@@ -22,7 +22,8 @@ import json
 import statistics
 import warnings
 
-from bench_wrapper_cpu import in_turn, one_rank_groups  # (benchmarks/, the script's folder, is on sys.path)
+from bench_wrapper_cpu import (  # (benchmarks/, the script's folder, is on sys.path)
+    device_and_size, devices_of_two, in_turn, one_rank_groups)
 
 
 def main() -> None:
@@ -47,15 +48,6 @@ def main() -> None:
         return wrapped(*args, **kwargs)
 
     def through_again(wrapped, instance, args, kwargs):
-        return wrapped(*args, **kwargs)
-
-    # The floor (as bench_staging.py's served section): what any served decision reads of the call, and nothing else.
-    def device_and_size(wrapped, instance, args, kwargs):
-        args[0].is_cpu, args[0].nbytes
-        return wrapped(*args, **kwargs)
-
-    def devices_of_two(wrapped, instance, args, kwargs):
-        args[0].is_cpu, args[1].is_cpu
         return wrapped(*args, **kwargs)
 
     cases = {
