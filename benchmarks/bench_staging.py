@@ -280,11 +280,9 @@ def served_path(bench) -> None:
     to back, so the host's drift cancels). A second pass-through wrapper of its own measured beside the first shows
     what the method itself resolves (two wrappers that do the same differ by the layout of their objects and code).
     Where torch calls one collective from another, the inner call passes through the shim's wrapper on every side
-    alike. The floor beside them: a wrapt wrapper with the shim's on/off switch (``enabled``, which
-    :func:`offload_shim.uninstall` turns off for references kept elsewhere) that reads what any served decision must
-    read of the call (each tensor argument's device, and the size of a host tensor on a group that can route host
+    alike. The floor beside them: a wrapt wrapper that reads what any served decision must read of the call (each tensor argument's device, and the size of a host tensor on a group that can route host
     calls through the accelerator) and passes the call on; what the shim adds beyond it is its own. And the shim's
-    wrapper made again beside these references, by the same factory, with the same switch: a wrapper's CPU time
+    wrapper made again beside these references, by the same factory: a wrapper's CPU time
     moves with where its objects and code lie (the references, made here, lie near the loop that times them, whose
     own objects stay in the caches), so this one differs from the installed shim by placement alone. Then the
     wrapper's decision alone: the shim's wrapper function and a pass-through one around a function that does
@@ -315,10 +313,9 @@ def served_path(bench) -> None:
         torch_function = shim.__wrapped__
         routes = {"on": shim, "off": torch_function, "wrapt": wrapt.FunctionWrapper(torch_function, through),
                   "wrapt_again": wrapt.FunctionWrapper(torch_function, through_again),  # (the method's own spread)
-                  "switch": wrapt.FunctionWrapper(torch_function, through, enabled=[True]),
-                  "floor": wrapt.FunctionWrapper(torch_function, reads, enabled=[True]),
+                  "floor": wrapt.FunctionWrapper(torch_function, reads),
                   "made_here": wrapt.FunctionWrapper(
-                      torch_function, _wrappers.c10d_wrapper(_table.C10D[function])(torch_function), enabled=[True])}
+                      torch_function, _wrappers.c10d_wrapper(_table.C10D[function])(torch_function, [True]))}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's deprecation of the *_tensor names
             spent = in_turn(routes, args, kwargs, turns, between=bench.sync)
@@ -326,7 +323,7 @@ def served_path(bench) -> None:
         middle = {route: statistics.median(values) * 1e-9 for route, values in spent.items()}
         paired = {pair: median_difference(spent, *pair)
                   for pair in (("on", "wrapt"), ("on", "off"), ("wrapt", "off"), ("wrapt_again", "wrapt"),
-                               ("switch", "wrapt"), ("floor", "wrapt"), ("on", "floor"), ("made_here", "wrapt"),
+                               ("floor", "wrapt"), ("on", "floor"), ("made_here", "wrapt"),
                                ("made_here", "floor"))}
         # The wrapper's own work, apart from the collective's: the shim's wrapper function and a pass-through one,
         # called around a function that does nothing, with this case's arguments (the group's answers cached by the
@@ -351,7 +348,6 @@ def served_path(bench) -> None:
                      paired_added_cpu_seconds=bench.slowest(paired["on", "off"]),
                      paired_wrapt_pass_through_added_cpu_seconds=bench.slowest(paired["wrapt", "off"]),
                      paired_second_pass_through_beyond_wrapt_cpu_seconds=bench.slowest(paired["wrapt_again", "wrapt"]),
-                     paired_switch_beyond_wrapt_cpu_seconds=bench.slowest(paired["switch", "wrapt"]),
                      paired_floor_beyond_wrapt_cpu_seconds=bench.slowest(paired["floor", "wrapt"]),
                      paired_added_beyond_floor_cpu_seconds=bench.slowest(paired["on", "floor"]),
                      paired_made_here_beyond_wrapt_cpu_seconds=bench.slowest(paired["made_here", "wrapt"]),

@@ -6,7 +6,7 @@ shim adds is the median over the turns of the difference within a turn, in micro
 Beside them, the floor: a wrapper that only reads what any served decision reads of the call (the tensors' devices,
 and a host tensor's size) before passing it on; and the shim's wrapper function made again here, by the same factory,
 which differs from the installed one only by where its objects lie (the others, made here too, lie near the loop that
-times them); and a pass-through with the on/off switch the shim's wrappers carry (wrapt's ``enabled``).
+times them).
 
     python benchmarks/probe_served_cold_cache.py [--thrash 0,256,1024,4096] [--turns 20000] [--out FILE.json]
 
@@ -60,7 +60,7 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's deprecation of the *_tensor names
             shim(*args, **kwargs)  # the group's answer kept
-        made_here = _wrappers.c10d_wrapper(_table.C10D[function])(shim.__wrapped__)  # (placement: see the docstring)
+        made_here = _wrappers.c10d_wrapper(_table.C10D[function])(shim.__wrapped__, [True])  # (placement: docstring)
         for kib in (int(k) for k in options.thrash.split(",")):
             into, out_of = bytearray(kib << 10), bytearray(kib << 10)
 
@@ -70,20 +70,18 @@ def main() -> None:
             routes = {side: wrapt.FunctionWrapper(collective, body) for side, body in
                       (("shim", shim._self_wrapper), ("pass_through", through), ("again", through_again),
                        ("floor", reads), ("made_here", made_here))}
-            routes["switch"] = wrapt.FunctionWrapper(collective, through, enabled=[True])  # (the shim's on/off switch)
             spent = in_turn(routes, args, kwargs, options.turns)
             added = {side: statistics.median(a - b for a, b in zip(spent[side], spent["pass_through"])) / 1000
-                     for side in ("shim", "again", "floor", "made_here", "switch")}
+                     for side in ("shim", "again", "floor", "made_here")}
             figures.append({"case": name, "thrash_kib": kib, "turns": options.turns,
                             "call_us": statistics.median(spent["pass_through"]) / 1000,
                             "shim_beyond_pass_through_us": added["shim"],
                             "second_pass_through_beyond_first_us": added["again"],
                             "floor_beyond_pass_through_us": added["floor"],
-                            "made_here_beyond_pass_through_us": added["made_here"],
-                            "switch_beyond_pass_through_us": added["switch"]})
+                            "made_here_beyond_pass_through_us": added["made_here"]})
             print(f"{name}, {kib} KiB evicted per call ({figures[-1]['call_us']:.1f} us a call): the shim "
                   f"{added['shim']:.3f} us beyond a pass-through (made here {added['made_here']:.3f}); the floor (the "
-                  f"reads alone) {added['floor']:.3f}; the on/off switch alone {added['switch']:.3f}; "
+                  f"reads alone) {added['floor']:.3f}; "
                   f"a second pass-through {added['again']:+.3f} us", flush=True)
     if options.out:
         with open(options.out, "w") as f:

@@ -75,10 +75,9 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, str]]:
                              "yes" if added <= 0.5e-6 else "no"))
             floor = r.get("paired_floor_beyond_wrapt_cpu_seconds")
             if floor is not None:
-                rows.append((f"served path, {r['case']}: beyond the floor (the reads any decision makes, and the "
-                             "on/off switch)", f"{us(r['paired_added_beyond_floor_cpu_seconds'])} us",
-                             f"the floor {us(floor)} beyond a wrapt pass-through, the switch alone "
-                             f"{us(r['paired_switch_beyond_wrapt_cpu_seconds'])}", "-"))
+                rows.append((f"served path, {r['case']}: beyond the floor (the reads any decision makes)",
+                             f"{us(r['paired_added_beyond_floor_cpu_seconds'])} us",
+                             f"the floor {us(floor)} beyond a wrapt pass-through", "-"))
                 rows.append((f"served path, {r['case']}: the shim's wrapper made beside the references, <= 0.5 us CPU "
                              "beyond a wrapt pass-through", f"{us(r['paired_made_here_beyond_wrapt_cpu_seconds'])} us",
                              f"{us(r['paired_made_here_beyond_floor_cpu_seconds'])} us beyond the floor",

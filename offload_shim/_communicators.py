@@ -184,12 +184,12 @@ class _Staged:
 
 
 def _make_wrapper(key, is_method: bool):
-    def make(original):
+    def make(original, live):
         # Positions as the wrapper gets them: wrapt passes a method's instance apart from args.
         parameters = _patching.Parameters(functools.partial(original, None) if is_method else original)
 
         def wrapper(wrapped, instance, args, kwargs):
-            if _staging.in_staged_call():
+            if not live or _staging.in_staged_call():
                 return wrapped(*args, **kwargs)
             return _call(_specs[key], parameters, wrapped, instance, args, kwargs)
 

@@ -10,7 +10,9 @@ name holding the object it wraps; modules imported later bind the wrapper themse
 wherever its wrapper is found, modules imported while the shim was installed included; a name that someone else
 rebound after the shim (a wrapper of the shim's wrapper) is left as they left it. Each wrapper passes every call
 straight through once removed, so one that someone else still holds never stages again, and a later install never
-stacks a second staging wrapper on it. Identity, not ``__wrapped__`` (which torch's own ``functools.wraps``
+stacks a second staging wrapper on it. A wrapper asks whether it is still installed only where it would act (decide,
+replay, stage): a call it passes on is the same installed or not, so the calls that need no staging pay nothing for
+the question. Identity, not ``__wrapped__`` (which torch's own ``functools.wraps``
 decorators set), tells one object from another.
 
 Families of patches whose module torch imports lazily (DTensor, the functional collectives) are applied by
@@ -32,7 +34,7 @@ import wrapt
 
 _log = logging.getLogger("offload_shim")
 
-WrapperFactory = Callable[[Callable], Callable]
+WrapperFactory = Callable[[Callable, list], Callable]
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,10 @@ class Target:
         name: its attribute name there.
         owner: for a method, the class attribute path inside ``module`` (e.g. ``"DTensor"``); ``None`` for a
             module-level function, which is then also rebound in every other module that holds it by name.
-        make_wrapper: given the original function (whose signature names the call's parameters), returns the wrapt
-            wrapper ``(wrapped, instance, args, kwargs) -> result``.
+        make_wrapper: given the original function (whose signature names the call's parameters) and ``live`` (a list,
+            non-empty while the wrapper is installed), returns the wrapt wrapper ``(wrapped, instance, args, kwargs)
+            -> result``, which passes every call straight to ``wrapped`` once ``live`` is empty (it asks ``live``
+            where it would act, before deciding, replaying or staging anything).
         aliases: other modules where the function is public under the same name (``"torch.distributed"``); what
             is bound there at install time is wrapped even when it is not the home's object.
     """
@@ -64,7 +68,7 @@ class _Binding:
     target: Target
     original: object
     wrapper: wrapt.FunctionWrapper
-    live: list  # [True] while installed; emptied on removal: wrapt then passes calls straight through (``enabled``)
+    live: list  # [True] while installed; emptied on removal: the wrapper then passes calls straight through
 
 
 # Kept across importlib.reload of this module (see the module docstring).
@@ -134,8 +138,8 @@ def _apply(target: Target) -> None:
         if value is None or any(b.original is value for b in bindings):
             continue
         live = [True]
-        # wrapt calls the wrapper only while ``live`` is true (a non-empty list): one read of the list a call, in C.
-        wrapper = wrapt.FunctionWrapper(value, target.make_wrapper(reference), enabled=live)
+        # (Not wrapt's ``enabled=live``: wrapt would read it before every call, served ones included.)
+        wrapper = wrapt.FunctionWrapper(value, target.make_wrapper(reference, live))
         _ours[id(wrapper)] = weakref.ref(wrapper, lambda _, key=id(wrapper): _ours.pop(key, None))
         setattr(site, target.name, wrapper)
         if target.owner is None:

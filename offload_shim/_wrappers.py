@@ -137,7 +137,7 @@ def c10d_wrapper(entry: _table.Collective):
     """The wrapper factory of a ``torch.distributed`` entry of the table."""
     label = entry.label
 
-    def make(original):
+    def make(original, live):
         parameters = Parameters(original)
         missing = [name for name in (*(a.name for a in entry.args), "group") if name not in parameters]
         if missing:  # a torch whose signature differs: leave the function alone rather than guess
@@ -150,7 +150,8 @@ def c10d_wrapper(entry: _table.Collective):
         answers = _groups.host_answers
 
         def stage(wrapped, args, kwargs, group, refused=None):
-            plan = _plan.decide(_bind(entry, parameters, args, kwargs, group))
+            # (Removed by uninstall: torch's call and error, as without the shim; see _patching.Target.)
+            plan = _plan.decide(_bind(entry, parameters, args, kwargs, group)) if live else None
             if plan is None:
                 if refused is not None:
                     raise refused
@@ -190,7 +191,7 @@ def c10d_wrapper(entry: _table.Collective):
                     served = below is EVERY_SIZE or tensor.nbytes < below
                 except RuntimeError:  # (a sparse tensor's nbytes raises: decided, and left to torch there)
                     served = False
-                if served:  # no group (torch raises), or one that serves the call
+                if served or not live:  # no group (torch raises), one that serves the call, or removed
                     return wrapped(*args, **kwargs)
                 # A small call captured before, replayed without deciding again while what decided it holds (_replay).
                 if _replay._captures and _replay.replayed(tensor, group, wrapped, args, kwargs, at):
@@ -335,12 +336,12 @@ def _devices_of(values) -> tuple[bool, str | None]:
 # ---------------------------------------------------------------- batch_isend_irecv and P2POp
 
 
-def _batch_wrapper(original):
+def _batch_wrapper(original, live):
     entry = _table.BATCH
 
     def wrapper(wrapped, instance, args, kwargs):
         operations = args[0] if args else kwargs.get("p2p_op_list")
-        if not isinstance(operations, list) or not operations or not all(isinstance(o, dist.P2POp) for o in operations):
+        if not live or not isinstance(operations, list) or not operations or not all(isinstance(o, dist.P2POp) for o in operations):
             return wrapped(*args, **kwargs)  # torch raises its own error
         operations = [_current(operation) for operation in operations]
         tensors = [getattr(operation, "tensor", None) for operation in operations]
@@ -418,11 +419,13 @@ def _chain(function) -> list:
     return chain
 
 
-def _p2p_op_init_wrapper(original):
+def _p2p_op_init_wrapper(original, live):
     """``P2POp(op, ...)`` with ``op`` stripped of the shim's wrappers (see the module docstring)."""
     parameters = Parameters(functools.partial(original, None))  # wrapt passes the instance apart from args
 
     def wrapper(wrapped, instance, args, kwargs):
+        if not live:
+            return wrapped(*args, **kwargs)
         op = parameters.get(args, kwargs, "op")
         args, kwargs = parameters.replace(args, kwargs, "op", unwrap_ours(op))
         return wrapped(*args, **kwargs)
@@ -433,13 +436,15 @@ def _p2p_op_init_wrapper(original):
 # ---------------------------------------------------------------- destroy_process_group
 
 
-def _releasing_buffers(original):
+def _releasing_buffers(original, live):
     """``destroy_process_group(group)`` first drops what the shim keeps for the group (its captured small calls,
     while its communicator still exists; then its agreement, lanes and served-path answer); of every group (``None``, or the default
     group, as torch reads it), it also frees the staging buffers (:func:`offload_shim.release_buffers`): no staged
     call can follow until a group is made again."""
 
     def wrapper(wrapped, instance, args, kwargs):
+        if not live:
+            return wrapped(*args, **kwargs)
         group = args[0] if args else kwargs.get("group")
         every = group is None or group is dist.group.WORLD  # torch destroys every group for both
         _replay.forget(None if every else group)
@@ -461,7 +466,7 @@ def functional_wrapper(entry: _table.Collective):
     of a list that mixes devices, are staged whole here."""
     name = entry.args[0].name
 
-    def make(original):
+    def make(original, live):
         parameters = Parameters(original)
         lazy = _devices.refused_for_host(entry.label)  # accelerator inputs go to torch first (see _devices)
 
@@ -482,7 +487,7 @@ def functional_wrapper(entry: _table.Collective):
             group = _devices.resolve_functional_group(
                 parameters.get(args, kwargs, "group"), parameters.get(args, kwargs, "tag", "")
             )
-            plan = None if group is None else _plan.decide(_plan.Call(entry, _plan.FUNCTIONAL, group, {name: value}))
+            plan = None if group is None or not live else _plan.decide(_plan.Call(entry, _plan.FUNCTIONAL, group, {name: value}))
             if plan is None:
                 if refused is not None:
                     raise refused

@@ -308,7 +308,9 @@ def test_uninstall_restores_the_original_and_install_wraps_again():
         comm, t = C(), arange(3)
         with configured(always_stage=True):
             comm.double(t)
-        assert comm.received[0] is t  # the original, unstaged
+            wrapper.__get__(comm, C)(t)  # the wrapper, kept by a caller across uninstall: the original's call alone
+        assert comm.received[0] is t and comm.received[1] is t  # the original, unstaged
+        assert torch.equal(t, arange(3) * 4)
 
         offload_shim.register_communicator(L, "double", device="device", reads="tensor", writes="tensor")
         assert vars(L)["double"] is late_original  # registered while uninstalled: wrapped at install
