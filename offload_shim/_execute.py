@@ -258,7 +258,7 @@ def _pipelined(plan: Plan):
             target = result
         else:
             result, target = None, call.values[outputs]
-        source, _ = _host_bytes(tensor, device, True)
+        source, _ = _host_bytes(tensor, device, True, copy=_overlaps_off_its_part(tensor, target, group.rank()))
         dest, back_out = _host_bytes(target, device, False)
     launch = _launcher(chunks, call)
     if _log.isEnabledFor(logging.DEBUG):
@@ -281,14 +281,32 @@ def _new_like(tensor: torch.Tensor, shape, device) -> torch.Tensor:
         return torch.empty(shape, dtype=tensor.dtype, pin_memory=device.type != "cpu")
 
 
-def _host_bytes(tensor: torch.Tensor, device, reads: bool, register: bool = False):
+def _overlaps_off_its_part(tensor: torch.Tensor, output: torch.Tensor, rank: int) -> bool:
+    """Whether a gather's input ``tensor`` shares bytes with its ``output`` other than as this rank's own part of it
+    (FSDP's in-place gather): a later chunk would then read what an earlier one wrote, where torch's call reads the
+    whole input first."""
+    def span(t):
+        start = t.data_ptr()
+        return start, start + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+    if tensor.numel() == 0 or output.numel() == 0:
+        return False
+    (a, b), (c, d) = span(tensor), span(output)
+    if b <= c or d <= a:
+        return False
+    nbytes = tensor.numel() * tensor.element_size()
+    return not (tensor.is_contiguous() and output.is_contiguous() and a == c + rank * nbytes)
+
+
+def _host_bytes(tensor: torch.Tensor, device, reads: bool, register: bool = False, copy: bool = False):
     """``(flat bytes, copy_back)``: ``tensor``'s own memory as bytes where it is contiguous and its bytes are its
-    values (written through ``.data``, as torch's C++ writes: no version counter bump), else a contiguous pinned copy
+    values (written through ``.data``, as torch's C++ writes: no version counter bump) and not ``copy``, else a
+    contiguous pinned copy
     (holding its values where ``reads``: a lazily conjugated or negated view's values, as for a call staged whole)
     and the function that writes that copy back into ``tensor``, through the view. Obtained before any chunk is
     sent."""
     _staging.finish_writes_to([tensor])
-    if tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
+    if not copy and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
         if register:
             _registration.register_for_staging(tensor, device)  # pageable: registered at its reuse, if set
         return _flat(tensor)[0], None

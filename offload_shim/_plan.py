@@ -11,7 +11,8 @@ equal, and for a reduction its dtype; and on settings that every rank must set a
 through the group's store before the first call whose wire depends on them (``_groups.agree``), raising the same
 :class:`StagingError` on every rank where they differ. Chunked (:class:`Chunks`): an elementwise collective (a
 reduction in whole elements, a broadcast in bytes) of at least two chunks, and an ``all_gather_into_tensor`` whose
-output is at least two chunks, on host tensors alone. Routed off a group's CPU backend through its accelerator's
+output is at least two chunks and of the dtype and size torch requires, on host tensors alone; never a call whose
+arguments torch refuses (two roots, an ``async_op`` its options do not take), which torch's call judges, whole. Routed off a group's CPU backend through its accelerator's
 (``cpu:gloo,cuda:nccl``): a chunkable collective of at least ``route_min_bytes``, on a group of more than one rank,
 where every rank can route. What a rank may choose alone in torch (``async_op``, the entry point, pinned or
 pageable memory, registration, a replay, contiguity, ``requires_grad``) changes only how this rank copies (the mode:
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from offload_shim import _config, _counters, _devices, _groups, _staging
 from offload_shim._devices import StagingError
-from offload_shim._table import ELEMENTWISE, GATHER, READ, Collective
+from offload_shim._table import ELEMENTWISE, GATHER, LIST, NONE, READ, TENSOR, WRITE, Collective
 
 _log = logging.getLogger("offload_shim")
 
@@ -56,7 +57,8 @@ class Call:
         family: :data:`C10D`, :data:`OPS` or :data:`FUNCTIONAL`.
         group: its process group (``None`` where there is none: torch then raises or returns).
         values: its tensor arguments by parameter name, as the caller gave them.
-        async_op: whether the caller asked for a work handle.
+        async_op: what the caller gave for ``async_op`` (true: it asked for a work handle); torch takes a bool or
+            what its options convert to one (an int, ``None``), and refuses others (a string).
         root: whether this rank is the call's root (``None``: the call has none, or its arguments do not say).
         root_rank: the root's rank in the group, where known.
         op: the reduce op of a reduction, as ``torch.distributed`` takes it.
@@ -66,7 +68,7 @@ class Call:
     family: str
     group: dist.ProcessGroup | None
     values: dict
-    async_op: bool = False
+    async_op: object = False
     root: bool | None = None
     root_rank: int | None = None
     op: object = None
@@ -169,6 +171,8 @@ def decide(call: Call) -> Plan | None:
     group = call.group
     if group is None or _staging._calls.depth:  # (a collective called from inside a staged call: torch's)
         return None
+    if not _well_formed(call):
+        return None  # torch's own call raises its own error (a missing tensor, a list for a tensor), before any wire
     try:
         return _decide(call, group)
     except _groups.Unagreeable:  # (on every rank alike: the same store)
@@ -278,6 +282,52 @@ def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Pl
     return _stage(call, device, _counters.FORCED, settings, host, tensors)
 
 
+def _well_formed(call: Call) -> bool:
+    """Whether each tensor argument torch reads or writes on this rank holds what its form says (a tensor, a list
+    of tensors, a list of lists of them): torch's own checks of a call that fails them (a missing argument, a list
+    for a tensor, no list on the root) raise before any wire, and the shim then leaves the call to torch."""
+    for arg in call.entry.args:
+        if arg.role_on(call.root) == NONE:
+            continue  # ignored by torch on this rank (a gather's list off the root)
+        value = call.values.get(arg.name)
+        if arg.form == TENSOR:
+            if not isinstance(value, torch.Tensor):
+                return False
+        elif not isinstance(value, (list, tuple)) or not all(
+                isinstance(each, torch.Tensor) if arg.form == LIST else
+                isinstance(each, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in each) for each in value):
+            return False
+    return True
+
+
+def _takes_async_op(value) -> bool:
+    """Whether torch's collective options take ``value`` for ``async_op`` (converted as ``bool`` converts it); a
+    torch whose options have no ``asyncOp`` reads it as a truth value, whatever it is."""
+    options = dist.AllreduceOptions()
+    if not hasattr(options, "asyncOp"):
+        return True
+    try:
+        options.asyncOp = value
+    except TypeError:
+        return False
+    return True
+
+
+def _gathered_in_chunks(call: Call, tensor: torch.Tensor, output: torch.Tensor | None, device) -> bool:
+    """Whether a gather's chunks may stand in for torch's call on ``device``: its output (``None``: one the op
+    returns) is what torch requires of it on every rank (``tensor``'s dtype, the group's size times its elements)
+    and, staged through the host, what the host's backend requires too (Gloo: the inputs stacked along the first
+    dimension; NCCL takes any shape of that size). Otherwise the call is staged whole, and torch's call on the
+    staged tensors judges it: its error, or its result. Only what torch requires decides, so that every rank of a
+    call torch runs decides alike."""
+    if output is None:
+        return True
+    if output.dtype != tensor.dtype or output.numel() != call.group.size() * tensor.numel():
+        return False
+    return device.type != "cpu" or tensor.dim() > 0 and output.shape == (call.group.size() * tensor.shape[0],
+                                                                         *tensor.shape[1:])
+
+
 def _shared_bytes(call: Call) -> int:
     """The size of a chunkable call as every rank sees it: its tensor's; a gather's output."""
     entry = call.entry
@@ -295,7 +345,7 @@ def _stage(call: Call, device, route: str, settings, host, tensors, chunked: boo
     if group in getattr(dist.distributed_c10d._world, "pg_coalesce_state", {}):
         _coalescing(call, host[0])
         return None
-    chunks = _chunks(call, settings) if chunked and entry.chunkable else None
+    chunks = _chunks(call, settings, device) if chunked and entry.chunkable else None
     if chunks is not None:
         mode = _counters.PIPELINED
     elif (
@@ -311,11 +361,14 @@ def _stage(call: Call, device, route: str, settings, host, tensors, chunked: boo
     return plan
 
 
-def _chunks(call: Call, settings) -> Chunks | None:
-    """The chunks of ``call`` (host tensors only), or ``None`` where it is one collective."""
+def _chunks(call: Call, settings, device) -> Chunks | None:
+    """The chunks of ``call`` (host tensors only) staged through ``device``, or ``None`` where it is one
+    collective."""
     entry, chunk_bytes, world = call.entry, settings.chunk_bytes, call.group.size()
     if entry.reduces and call.op is None or entry.root is not None and call.root_rank is None:
         return None  # an op or root torch will refuse: its own call, whole, raises
+    if type(call.async_op) is not bool and not _takes_async_op(call.async_op):
+        return None  # torch refuses it (a string): its own call, whole, raises
     tensor = call.values[entry.args[0].name]
     if entry.reduces and tensor.is_complex() and not dist.distributed_c10d.supports_complex(call.op):
         return None  # torch refuses it: likewise
@@ -332,6 +385,9 @@ def _chunks(call: Call, settings) -> Chunks | None:
     tensor = call.values[next(a.name for a in entry.args if a.role == READ)]
     total = tensor.numel() * tensor.element_size()
     if total * world < MIN_PIPELINED_CHUNKS * chunk_bytes:
+        return None
+    output = next((call.values[a.name] for a in entry.args if a.role == WRITE), None)
+    if not _gathered_in_chunks(call, tensor, output, device):
         return None
     return Chunks("all_gather", total, max(1, chunk_bytes // world), world, torch.uint8, chunk_bytes)
 

@@ -65,9 +65,9 @@ def _root(entry, parameters, args, kwargs, group) -> tuple[bool | None, int | No
     if entry.root is None:
         return None, None
     group_rank = parameters.get(args, kwargs, f"group_{entry.root}")
-    if group_rank is not None:
-        return group.rank() == group_rank, group_rank
     rank = parameters.get(args, kwargs, entry.root)
+    if group_rank is not None:
+        return (group.rank() == group_rank, group_rank) if rank is None else (None, None)  # (both: torch raises)
     if rank is None:
         return None, None
     try:
@@ -80,7 +80,7 @@ def _bind(entry, parameters, args, kwargs, group) -> _plan.Call:
     root, root_rank = _root(entry, parameters, args, kwargs, group)
     return _plan.Call(
         entry, _plan.C10D, group, {a.name: parameters.get(args, kwargs, a.name) for a in entry.args},
-        async_op=entry.name in ("isend", "irecv") or bool(parameters.get(args, kwargs, "async_op", False)),
+        async_op=entry.name in ("isend", "irecv") or parameters.get(args, kwargs, "async_op", False),
         root=root, root_rank=root_rank,
         op=parameters.get(args, kwargs, "op", dist.ReduceOp.SUM) if entry.reduces else None,
     )

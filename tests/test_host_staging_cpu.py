@@ -53,6 +53,8 @@ def check_decision():
     def through_host(collective, value, group):
         """The device type whose tensors the one decision stages through the host, or ``None``."""
         entry, family = entries[collective]
+        if entry.args[0].form == _table.LIST and not isinstance(value, list):
+            value = [value]  # (a batch's tensors, one a P2POp)
         plan = _plan.decide(_plan.Call(entry, family, group, {entry.args[0].name: value}, op=dist.ReduceOp.SUM))
         return plan.source if plan is not None and plan.route == "host" else None
 
@@ -65,7 +67,7 @@ def check_decision():
                 for collective in entries:
                     decided[group_name, device_name, collective] = through_host(collective, tensor, group)
         # a call mixing host and accelerator tensors: only the accelerator's are staged (the host's are served)
-        mixed = through_host("send", [torch.ones(4), cuda], gloo)
+        mixed = through_host("batch_isend_irecv", [torch.ones(4), cuda], gloo)
     with configured(host_staging=False):
         switched_off = through_host("send", cuda, gloo)
     return decided, switched_off, mixed, sorted(tensors)

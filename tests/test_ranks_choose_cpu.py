@@ -57,6 +57,23 @@ def check_async_beside_sync():
     assert decisions == ["cpu"] and same_bits(tensor, want)
 
 
+def check_async_op_spelt_otherwise():
+    """A 4 MiB all_reduce in 1 MiB chunks with ``async_op=1`` on rank 0 (an int, which torch's options take) and
+    ``async_op=True`` on the others: torch's result on every rank, in chunks on every rank."""
+    group = _group()
+    tensor = rank_input((MiB,), torch.float32, seed=11)
+    want = _torch(lambda t: dist.all_reduce(t, group=group), tensor)
+    offload_shim.reset_staging_counters()
+    with staging_through_cpu(chunk_bytes=MiB) as decisions:
+        assert dist.all_reduce(tensor, group=group, async_op=1 if dist.get_rank() == 0 else True).wait() is True
+    assert [key.mode for key in offload_shim.staging_counters()] == ["pipelined"]
+    assert decisions == ["cpu"] and same_bits(tensor, want)
+
+
+def test_async_op_spelt_otherwise(gloo_ranks):
+    gloo_ranks.run(check_async_op_spelt_otherwise)
+
+
 def check_compiled_or_functional_beside_eager(other: str):
     """Row 2: a 32 MiB all_reduce, compiled or functional on rank 0, eager ``dist.all_reduce`` on the others."""
     group = _group()
@@ -130,6 +147,37 @@ def check_two_tensors_by_position_or_by_keyword():
 def test_two_tensors_by_position_or_by_keyword(gloo_ranks):
     for results in gloo_ranks.run(check_two_tensors_by_position_or_by_keyword):
         assert results == [(["cpu", "cpu"], True, True)] * 2, results
+
+
+def check_gather_input_inside_its_output_on_one_rank():
+    """``all_gather_into_tensor`` in 1 MiB chunks whose input lies inside its output on rank 0 (off its own part,
+    and as its own part, FSDP's in-place gather), in a tensor of its own on the others: torch's results on every
+    rank, where torch reads the input before writing (the chunks read a copy of it there)."""
+    group, world, rank = _group(), dist.get_world_size(), dist.get_rank()
+    elements = MiB  # 4 MiB a rank, chunks of 1 MiB
+    results = []
+    for offset in (elements // 2, rank * elements):  # off its part; its own part
+        output = rank_input((world * elements,), torch.float32, seed=9)
+        given = output[offset : offset + elements] if rank == 0 else rank_input((elements,), torch.float32, seed=10)
+        want = torch.cat([t.clone() for t in _torch_gathered(given, group)])
+        with staging_through_cpu(chunk_bytes=MiB) as decisions:
+            dist.all_gather_into_tensor(output, given, group=group)
+        results.append((decisions, same_bits(output, want)))
+    return results
+
+
+def _torch_gathered(given, group) -> list:
+    """Every rank's ``given``, gathered by torch alone (a list gather of copies, unstaged)."""
+    parts = [torch.empty_like(given) for _ in range(group.size())]
+    with configured(always_stage=False):
+        dist.all_gather(parts, given.clone(), group=group)
+    return parts
+
+
+def test_gather_input_inside_its_output_on_one_rank(gloo_ranks, three_gloo_ranks):
+    for pool in (gloo_ranks, three_gloo_ranks):
+        for results in pool.run(check_gather_input_inside_its_output_on_one_rank):
+            assert results == [(["cpu"], True)] * 2, results
 
 
 def check_chunk_size_on_one_rank():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 
 import pytest
@@ -409,6 +410,69 @@ def check_non_contiguous_refused_like_torch():
 
 def test_non_contiguous_refused_like_torch(gloo_ranks):
     gloo_ranks.run(check_non_contiguous_refused_like_torch)
+
+
+def _argued_calls(world: int, rank: int) -> dict:
+    """Calls whose arguments torch refuses, or reads in an order only torch's own call keeps, alike on every rank,
+    each with the tensors it could write: 40 floats a rank, two chunks or more at ``chunk_bytes=64``."""
+    inp = lambda: torch.arange(40.0) + 100 * rank  # noqa: E731
+    out = torch.full((world * 40,), 7.0)
+    small, wide, doubles, ints = torch.full((30,), 7.0), torch.full((world * 40 + 8,), 7.0), out.double(), out.int()
+    rows, t, u, buf = torch.full((world, 40), 7.0), inp(), inp(), torch.arange(40.0 * world) + 1000 * rank
+    return {
+        "all_gather_into_tensor, output too small": (lambda: dist.all_gather_into_tensor(small, inp()), [small]),
+        "all_gather_into_tensor, output too large": (lambda: dist.all_gather_into_tensor(wide, inp()), [wide]),
+        "all_gather_into_tensor, float64 output": (lambda: dist.all_gather_into_tensor(doubles, inp()), [doubles]),
+        "all_gather_into_tensor, int32 output": (lambda: dist.all_gather_into_tensor(ints, inp()), [ints]),
+        "all_gather_into_tensor, one row a rank": (lambda: dist.all_gather_into_tensor(rows, inp()), [rows]),
+        "all_gather_into_tensor, no input": (lambda: dist.all_gather_into_tensor(out), [out]),
+        "all_gather_into_tensor, a list for the input": (lambda: dist.all_gather_into_tensor(out, [inp()]), [out]),
+        "all_gather_into_tensor, a list for the output": (lambda: dist.all_gather_into_tensor([out], inp()), [out]),
+        "all_gather_into_tensor, input inside the output off its part": (
+            lambda: dist.all_gather_into_tensor(buf, buf[20:60]), [buf]),
+        "reduce_scatter_tensor, no input": (lambda: dist.reduce_scatter_tensor(t), [t]),
+        "all_to_all_single, no input": (lambda: dist.all_to_all_single(t), [t]),
+        "broadcast, src and group_src": (lambda: dist.broadcast(t, src=0, group_src=0), [t]),
+        "reduce, dst and group_dst": (lambda: dist.reduce(u, dst=0, group_dst=0), [u]),
+        "all_reduce, async_op a string": (lambda: dist.all_reduce(t, async_op="no"), [t]),
+        "all_gather, a tensor for the list": (lambda: dist.all_gather(out, inp()), [out]),
+    }
+
+
+def check_arguments_judged_as_torch_judges(chunk_bytes: int):
+    """Each call of :func:`_argued_calls`, staged whole and in chunks: torch's exception and message (objects'
+    addresses aside), the same bits written (none, where torch refuses); FSDP's in-place gather still chunked."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    outcomes = {}
+    for staged in (False, True):
+        for name, (call, written) in _argued_calls(world, rank).items():
+            if staged:
+                with staging_through_cpu(chunk_bytes=chunk_bytes):
+                    error = _error(call)
+            else:
+                with configured(always_stage=False, staging_device=None):
+                    error = _error(call)
+            error = error and (error[0], re.sub(r" at 0x[0-9a-f]+", "", error[1]))
+            outcomes.setdefault(name, []).append((error, [w.view(torch.uint8).tolist() for w in written]))
+            _each_rank_done(f"argued/{chunk_bytes}/{staged}/{name}")
+    for name, (alone, staged) in outcomes.items():
+        assert staged == alone, (name, alone[0], staged[0])
+    # (Every call but the overlapping gather refused: a check that the cases test what they say.)
+    assert [name for name, (alone, _) in outcomes.items() if alone[0] is None] == [
+        "all_gather_into_tensor, input inside the output off its part"]
+    # What stays chunked: FSDP's in-place gather, whose input is this rank's own part of the output.
+    buf = torch.zeros(40 * world)
+    buf[40 * rank : 40 * (rank + 1)] = torch.arange(40.0) + 100 * rank
+    offload_shim.reset_staging_counters()
+    with staging_through_cpu(chunk_bytes=chunk_bytes):
+        dist.all_gather_into_tensor(buf, buf[40 * rank : 40 * (rank + 1)])
+    assert torch.equal(buf, torch.cat([torch.arange(40.0) + 100 * r for r in range(world)]))
+    assert [key.mode for key in offload_shim.staging_counters()] == ["pipelined" if chunk_bytes == 64 else "whole"]
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 16 << 20], ids=["chunked", "whole"])
+def test_arguments_judged_as_torch_judges(gloo_ranks, chunk_bytes):
+    gloo_ranks.run(check_arguments_judged_as_torch_judges, chunk_bytes)
 
 
 def check_gradients_and_inference_allowed_where_torch_allows():
