@@ -317,7 +317,8 @@ def check_small_calls_replayed():
     it was; a captured call is decided again where what decided it may have changed, and calls a key cannot tell
     apart are not replayed; graphs off, a non-contiguous tensor and a destroyed group take the slot path; a replay
     that outlasts the group's timeout raises DistBackendError and leaves the tensor unchanged, as does the call
-    after a replay that only read; destroying a group does not wait for its replays."""
+    after a replay that only read; destroying a group does not wait for its replays; a wrapper kept across
+    uninstall() never replays."""
     from offload_shim import _replay
 
     offload_shim.install()
@@ -384,6 +385,17 @@ def check_small_calls_replayed():
     value = torch.tensor(7.0)
     dist.all_reduce(value, op=dist.ReduceOp.SUM)  # the key of the first case above
     assert value.item() == 7.0 and _modes("all_reduce") == {"replayed": 1}, _modes("all_reduce")
+    # A wrapper kept across uninstall() never replays that capture: torch's own call, which refuses a CPU tensor
+    # on this group.
+    kept = dist.all_reduce
+    offload_shim.uninstall()
+    try:
+        offload_shim.reset_staging_counters()
+        with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+            kept(torch.tensor(7.0), op=dist.ReduceOp.SUM)
+        assert _modes("all_reduce") == {}, _modes("all_reduce")
+    finally:
+        offload_shim.install()
     # A replay that outlasts the group's timeout (the stream held by a 4 s sleep, a 1 s timeout).
     slow = dist.new_group([0], timeout=datetime.timedelta(seconds=1))
     assert _replay._timeout(slow) == 1.0, _replay._timeout(slow)  # else the wait below would last minutes
