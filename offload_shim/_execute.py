@@ -299,12 +299,11 @@ def _overlaps_off_its_part(tensor: torch.Tensor, output: torch.Tensor, rank: int
 
 
 def _host_bytes(tensor: torch.Tensor, device, reads: bool, register: bool = False, copy: bool = False):
-    """``(flat bytes, copy_back)``: ``tensor``'s own memory as bytes where it is contiguous and its bytes are its
-    values (written through ``.data``, as torch's C++ writes: no version counter bump) and not ``copy``, else a
-    contiguous pinned copy
-    (holding its values where ``reads``: a lazily conjugated or negated view's values, as for a call staged whole)
-    and the function that writes that copy back into ``tensor``, through the view. Obtained before any chunk is
-    sent."""
+    """``(flat bytes, copy_back)``: ``tensor``'s own memory as bytes where it is contiguous, its bytes are its
+    values (written through ``.data``, as torch's C++ writes: no version counter bump) and ``copy`` is false; else a
+    contiguous pinned copy (holding its values where ``reads``: a lazily conjugated or negated view's values, as for
+    a call staged whole) and the function that writes that copy back into ``tensor``, through the view. Obtained
+    before any chunk is sent."""
     _staging.finish_writes_to([tensor])
     if not copy and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
         if register:

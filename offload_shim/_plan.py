@@ -12,11 +12,12 @@ through the group's store before the first call whose wire depends on them (``_g
 :class:`StagingError` on every rank where they differ. Chunked (:class:`Chunks`): an elementwise collective (a
 reduction in whole elements, a broadcast in bytes) of at least two chunks, and an ``all_gather_into_tensor`` whose
 output is at least two chunks and of the dtype and size torch requires, on host tensors alone; never a call whose
-arguments torch refuses (two roots, an ``async_op`` its options do not take), which torch's call judges, whole. Routed off a group's CPU backend through its accelerator's
-(``cpu:gloo,cuda:nccl``): a chunkable collective of at least ``route_min_bytes``, on a group of more than one rank,
-where every rank can route. What a rank may choose alone in torch (``async_op``, the entry point, pinned or
-pageable memory, registration, a replay, contiguity, ``requires_grad``) changes only how this rank copies (the mode:
-small, replayed, whole or pipelined), never the wire.
+arguments torch refuses (two roots, an ``async_op`` its options do not take), which torch's call judges, whole.
+Routed off a group's CPU backend through its accelerator's (``cpu:gloo,cuda:nccl``): a chunkable collective of at
+least ``route_min_bytes``, on a group of more than one rank, where every rank can route. What a rank may choose
+alone in torch (``async_op``, the entry point, pinned or pageable memory, registration, a replay, contiguity, memory
+shared between a gather's input and output, ``requires_grad``) changes only how this rank copies (the mode: small,
+replayed, whole or pipelined), never the wire.
 
 A call that mixes host tensors with tensors on a served accelerator is staged whole, its host tensors through that
 accelerator, never chunked: every rank must mix alike, as every rank must pass its tensors on the same kind of

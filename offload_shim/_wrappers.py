@@ -341,8 +341,9 @@ def _batch_wrapper(original, live):
 
     def wrapper(wrapped, instance, args, kwargs):
         operations = args[0] if args else kwargs.get("p2p_op_list")
-        if not live or not isinstance(operations, list) or not operations or not all(isinstance(o, dist.P2POp) for o in operations):
-            return wrapped(*args, **kwargs)  # torch raises its own error
+        if not live or not isinstance(operations, list) or not operations or not all(
+                isinstance(o, dist.P2POp) for o in operations):
+            return wrapped(*args, **kwargs)  # removed by uninstall, or torch raises its own error
         operations = [_current(operation) for operation in operations]
         tensors = [getattr(operation, "tensor", None) for operation in operations]
         group = _devices.resolve_c10d_group(getattr(operations[0], "group", None))
