@@ -89,8 +89,8 @@ def register_communicator(
             parameter in both is copied both ways.
 
     Raises:
-        TypeError: ``owner`` is neither a class nor a module, ``owner.method`` is not a plain function, or
-            ``device`` is neither a string nor a callable.
+        TypeError: ``owner`` is neither a class nor a module, ``owner.method`` is not a plain function or is an
+            ``async def`` one (a staged call is synchronous), or ``device`` is neither a string nor a callable.
         AttributeError: ``owner`` has no ``method`` of its own (the message names the class that defines it).
         ValueError: ``reads`` and ``writes`` are both empty or name a parameter ``method`` does not have
             (positional and keyword parameters only, the instance excluded); ``device`` is a string that is not
@@ -101,6 +101,11 @@ def register_communicator(
     :class:`offload_shim.StagingError` before the method is entered, with the caller's tensors unchanged.
     """
     function, target_owner = _resolve(owner, method)
+    if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+        raise TypeError(
+            f"offload_shim: register_communicator({method!r}): an async method returns before its body runs, and a "
+            f"staged call copies its results back when it returns; register the synchronous method it awaits"
+        )
     is_method = target_owner is not None
     module_name = owner.__module__ if is_method else owner.__name__
     label = ".".join(p for p in (module_name, target_owner, method) if p)

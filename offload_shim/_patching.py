@@ -258,19 +258,27 @@ def applied_wrappers() -> dict[str, wrapt.FunctionWrapper]:
 
 class Parameters:
     """Reads and replaces a call's arguments by parameter name, positions taken from the wrapped function's
-    own signature (so a torch that reorders or adds parameters is followed, not guessed)."""
+    own signature (so a torch that reorders or adds parameters is followed, not guessed). A keyword-only parameter
+    (one after ``*`` or ``*args``) is read from the keywords alone."""
+
+    KEYWORD_ONLY = sys.maxsize  # the position of a keyword-only parameter: past any call's positional arguments
 
     def __init__(self, function: Callable):
         import inspect
 
-        names = list(inspect.signature(function).parameters)
-        self._position = {name: i for i, name in enumerate(names)}
+        self._position = {}
+        for name, parameter in inspect.signature(function).parameters.items():
+            if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+                self._position[name] = len(self._position)
+            elif parameter.kind == parameter.KEYWORD_ONLY:
+                self._position[name] = self.KEYWORD_ONLY
 
     def __contains__(self, name: str) -> bool:
         return name in self._position
 
     def position(self, name: str) -> int:
-        """The position of parameter ``name`` (``KeyError`` if the function has none)."""
+        """The position of parameter ``name`` (:attr:`KEYWORD_ONLY` for a keyword-only one; ``KeyError`` if the
+        function has none)."""
         return self._position[name]
 
     def get(self, args: tuple, kwargs: dict, name: str, default=None):

@@ -323,6 +323,28 @@ def test_uninstall_restores_the_original_and_install_wraps_again():
         assert vars(C)["double"] is original and vars(L)["double"] is late_original
 
 
+class KeywordOnlyOutput:
+    """A communicator whose output comes after ``*args``: given by keyword only, whatever the positional count."""
+
+    def __init__(self):
+        self.device = torch.device("cpu")
+        self.received = []
+
+    def double(self, tensor, *options, out):
+        self.received.append(out)
+        out.copy_(tensor * 2)
+
+
+def test_a_keyword_only_parameter_is_read_from_the_keywords():
+    with shim():
+        offload_shim.register_communicator(KeywordOnlyOutput, "double", device="device", reads="tensor", writes="out")
+        comm, t, options, out = KeywordOnlyOutput(), arange(4), [torch.full((4,), 9.0)] * 2, torch.zeros(4)
+        with configured(always_stage=True):
+            comm.double(t, *options, out=out)
+        assert torch.equal(out, arange(4) * 2) and staged_copies(comm.received, [out, *options])
+        assert all(torch.equal(o, torch.full((4,), 9.0)) for o in options)  # (read as `out` before: overwritten)
+
+
 class Base:
     def inherited(self, tensor):
         pass
@@ -336,6 +358,9 @@ class BadRegistrations(Base):
 
     @staticmethod
     def static(tensor):
+        pass
+
+    async def coroutine(self, tensor):
         pass
 
 
@@ -357,6 +382,7 @@ def local_class():
         (BadRegistrations, "missing", {}, AttributeError, "defines no method 'missing'"),
         (BadRegistrations, "inherited", {}, AttributeError, r"defined on test_communicators\.Base: register that"),
         (BadRegistrations, "static", {}, TypeError, "staticmethod, not a plain function"),
+        (BadRegistrations, "coroutine", {}, TypeError, "an async method returns before its body runs"),
         (THIS_MODULE, "missing", {}, AttributeError, "has no function 'missing'"),
         (BadRegistrations(), "collective", {}, TypeError, "takes a class or a module"),
         (local_class(), "collective", {}, ValueError, "cannot be found again by name"),
