@@ -28,7 +28,7 @@ def run_command(command: list) -> int:
     """Execute ``command`` (an argv list, optionally after ``--``) with ``OFFLOAD_SHIM=1``; returns only on error."""
     if command[:1] == ["--"]:
         command = command[1:]
-    if not command:
+    if not command or not command[0]:
         print("offload-shim run: give a command, e.g. offload-shim run torchrun --nproc_per_node 2 train.py",
               file=sys.stderr)
         return 2
@@ -107,10 +107,13 @@ def _version() -> str:
 
 def write_dropin(directory: str, force: bool = False) -> int:
     """``offload-shim dropin DIR``: copy the installed ``sitecustomize_template.py`` to ``DIR/sitecustomize.py``
-    (``DIR`` made if missing), with its bytecode for this Python in ``DIR/__pycache__``. Refuses, exit status 1,
-    to replace a different file there unless ``force``."""
+    (``DIR`` made if missing), with its bytecode for this Python in ``DIR/__pycache__`` where it can be written.
+    Refuses, exit status 1, to replace a different file there unless ``force``, and where ``DIR`` cannot be
+    written."""
     import importlib.util
     import pathlib
+    import py_compile
+    import shlex
 
     spec = importlib.util.find_spec("sitecustomize_template")  # found, not imported (importing it would arm it)
     if spec is None or spec.origin is None:
@@ -122,14 +125,23 @@ def write_dropin(directory: str, force: bool = False) -> int:
         print(f"offload-shim dropin: {target} exists and differs; the drop-in runs the sitecustomize it shadows "
               "from later on sys.path, so put that one in another directory, or pass --force", file=sys.stderr)
         return 1
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
-    import py_compile
-
-    # Its bytecode too, for this Python: where the directory is read-only or PYTHONDONTWRITEBYTECODE is set,
-    # every start-up would otherwise compile the file again (about 2 ms).
-    py_compile.compile(str(target), doraise=True)
-    print(f"wrote {target}\nswitch it on with: export PYTHONPATH={target.parent.resolve()}${{PYTHONPATH:+:$PYTHONPATH}}")
+    same = target.exists() and target.read_text() == text  # (the same drop-in again: a read-only DIR is fine)
+    try:
+        if not same:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+    except OSError as exc:
+        print(f"offload-shim dropin: cannot write {target}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    try:
+        # Its bytecode too, for this Python: where the directory is read-only or PYTHONDONTWRITEBYTECODE is set,
+        # every start-up would otherwise compile the file again (about 2 ms).
+        py_compile.compile(str(target), doraise=True)
+    except OSError as exc:
+        print(f"offload-shim dropin: note: its bytecode was not written ({exc.strerror or exc}): each start-up "
+              "compiles it again, about 2 ms", file=sys.stderr)
+    print(f"{'kept' if same else 'wrote'} {target}\nswitch it on with: export PYTHONPATH={shlex.quote(str(target.parent.resolve()))}"
+          "${PYTHONPATH:+:$PYTHONPATH}")
     return 0
 
 
@@ -371,7 +383,11 @@ def _check_ranks(backend: str | None) -> list:
     if backend is None:
         backend = dist.Backend.default_device_backend_map.get(accelerator.type, "gloo") if accelerator else "gloo"
     problems = []
-    dist.init_process_group(backend, device_id=device if device is not None and backend != "gloo" else None)
+    try:
+        dist.init_process_group(backend, device_id=device if device is not None and backend != "gloo" else None)
+    except Exception as exc:  # an unknown backend, or one this build lacks: each rank says so, without a group
+        return [f"rank {os.environ.get('RANK')}: cannot make the default process group with backend {backend!r}: "
+                f"{type(exc).__name__}: {exc}"]
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         group = dist.group.WORLD

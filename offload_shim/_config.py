@@ -166,7 +166,7 @@ def _parse_device(value, source: str) -> torch.device | None:
         raise ConfigError(f"{source}={value!r} is not a device: {exc}") from None
 
 
-_SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
+_SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$", re.ASCII)  # (digits 0-9 only, not other scripts')
 _UNIT = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -208,18 +208,22 @@ def log_level_from_environment(environ=os.environ) -> int | None:
 
 
 def settings_from_environment(environ=os.environ) -> Settings:
-    """Settings as the environment gives them. Raises :class:`ConfigError` for a malformed value."""
-    chunk = environ.get(ENV_CHUNK_BYTES) or None
-    route = environ.get(ENV_ROUTE_MIN_BYTES) or None
+    """Settings as the environment gives them (a variable unset, empty or blank: the default). Raises
+    :class:`ConfigError` for a malformed value."""
+    def given(name: str) -> str | None:
+        value = environ.get(name)
+        return value if value and value.strip() else None
+
+    chunk, route = given(ENV_CHUNK_BYTES), given(ENV_ROUTE_MIN_BYTES)
     return Settings(
-        staging_device=_parse_device(environ.get(ENV_STAGING_DEVICE) or None, ENV_STAGING_DEVICE),
+        staging_device=_parse_device(given(ENV_STAGING_DEVICE), ENV_STAGING_DEVICE),
         always_stage=bool(parse_flag(ENV_ALWAYS_STAGE, environ)),
         chunk_bytes=DEFAULT_CHUNK_BYTES if chunk is None else _parse_bytes(chunk, ENV_CHUNK_BYTES),
         route_min_bytes=DEFAULT_ROUTE_MIN_BYTES if route is None else _parse_bytes(route, ENV_ROUTE_MIN_BYTES, True),
         summary_at_exit=bool(parse_flag(ENV_SUMMARY, environ)),
         host_staging=parse_flag(ENV_HOST_STAGING, environ) is not False,
         graphs=parse_flag(ENV_GRAPHS, environ) is not False,
-        register_bytes=_parse_bytes(environ.get(ENV_REGISTER_BYTES) or None, ENV_REGISTER_BYTES, allow_zero=True,
+        register_bytes=_parse_bytes(given(ENV_REGISTER_BYTES), ENV_REGISTER_BYTES, allow_zero=True,
                                     allow_default=True),
     )
 

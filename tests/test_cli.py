@@ -70,6 +70,8 @@ def test_run_errors():
     assert cli("run").returncode == 2
     dashes = cli("run", "--")  # `--` is taken off, not run as a program
     assert dashes.returncode == 2 and dashes.stderr.startswith("offload-shim run: give a command"), dashes
+    empty = cli("run", "--", "")  # an empty program name, as a missing one
+    assert empty.returncode == 2 and empty.stderr.startswith("offload-shim run: give a command"), empty
     missing = cli("run", "no-such-command-offload-shim")
     assert missing.returncode == 127 and "cannot run 'no-such-command-offload-shim'" in missing.stderr
     assert cli().returncode == 2
@@ -113,6 +115,20 @@ def test_dropin_writes_the_template_and_its_bytecode_without_importing_torch(tmp
     assert cli("dropin", "--force", str(target.parent), env=env).returncode == 0 and target.read_text() == template
 
 
+def test_dropin_says_in_one_line_what_it_cannot_write_and_quotes_the_path(tmp_path):
+    """A DIR that cannot be written (here a file) is one line and exit status 1, no traceback; the line that puts
+    DIR on PYTHONPATH is quoted for a shell, so a path with a space works as printed."""
+    (tmp_path / "a file").write_text("")
+    refused = cli("dropin", str(tmp_path / "a file"))
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused
+    assert refused.stderr.startswith(f"offload-shim dropin: cannot write {tmp_path / 'a file' / 'sitecustomize.py'}: ")
+    out = cli("dropin", str(tmp_path / "my dir"))
+    export = out.stdout.splitlines()[-1].removeprefix("switch it on with: ")
+    shell = subprocess.run(["bash", "-c", f"unset PYTHONPATH; {export}; printf %s \"$PYTHONPATH\""],
+                           capture_output=True, text=True)
+    assert out.returncode == 0 and shell.stdout == str((tmp_path / "my dir").resolve()), (export, shell)
+
+
 def test_run_warns_when_torch_runs_no_entry_points():
     out = cli("run", sys.executable, "-c", "print('ran')", env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     assert out.returncode == 0 and out.stdout.strip() == "ran"
@@ -148,3 +164,22 @@ def test_doctor_gives_the_registration_budget():
     out = cli("doctor", env={"OFFLOAD_SHIM_REGISTER_BYTES": ""})  # empty: as unset, and said so
     assert "OFFLOAD_SHIM_REGISTER_BYTES      '' (empty: as unset)\n" in out.stdout, out.stdout
     assert "  register_bytes                 None (default: " in out.stdout, out.stdout
+
+
+def test_doctor_names_a_backend_it_cannot_make_a_group_with(monkeypatch):
+    """``doctor --backend`` with a backend torch does not know: a problem line for the rank, no traceback, and no
+    group left behind."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import offload_shim_cli
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533")):
+        monkeypatch.setenv(name, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's: "Device capability of bogus unknown"
+        (problem,) = offload_shim_cli._check_ranks("bogus")
+    # (torch's own words after the colon: "AssertionError: Unknown backend type bogus" in torch 2.13)
+    assert problem.startswith("rank 0: cannot make the default process group with backend 'bogus': "), problem
+    assert not dist.is_initialized()

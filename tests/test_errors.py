@@ -110,6 +110,8 @@ def test_configure_and_the_environment_name_the_setting_and_its_values_alike():
         ({"always_stage": "yes"}, {"OFFLOAD_SHIM_ALWAYS_STAGE": "maybe"}, "is not a boolean: use"),
         ({"summary_at_exit": 1}, {"OFFLOAD_SHIM_SUMMARY": "sometimes"}, "is not a boolean: use"),
         ({"chunk_bytes": "abc"}, {"OFFLOAD_SHIM_CHUNK_BYTES": "abc"}, "is not a size: give bytes"),
+        # (Digits of other scripts are not sizes: int() would read these as 16.)
+        ({"chunk_bytes": "\u0661\u0666"}, {"OFFLOAD_SHIM_CHUNK_BYTES": "\uff11\uff16"}, "is not a size: give bytes"),
         ({"route_min_bytes": "-1"}, {"OFFLOAD_SHIM_ROUTE_MIN_BYTES": "-1"}, "is not a size: give bytes"),
         ({"staging_device": "nonsense"}, {"OFFLOAD_SHIM_STAGING_DEVICE": "nonsense"}, "is not a device"),
     ):
@@ -119,3 +121,14 @@ def test_configure_and_the_environment_name_the_setting_and_its_values_alike():
         with pytest.raises(offload_shim.ConfigError, match=f"^{variable}={raw!r} {message}"):
             _config.settings_from_environment(environ)
     assert offload_shim.settings() == before
+
+
+def test_a_blank_variable_is_unset():
+    """A variable that is empty or only blanks reads as unset, whichever setting it is, as ``OFFLOAD_SHIM`` does."""
+    from offload_shim import _config
+
+    names = [_config.ENV_STAGING_DEVICE, _config.ENV_CHUNK_BYTES, _config.ENV_ROUTE_MIN_BYTES,
+             _config.ENV_REGISTER_BYTES, _config.ENV_ALWAYS_STAGE, _config.ENV_SUMMARY, _config.ENV_HOST_STAGING,
+             _config.ENV_GRAPHS]
+    for blank in ("", " ", "\t "):
+        assert _config.settings_from_environment({name: blank for name in names}) == _config.Settings(), repr(blank)
