@@ -101,14 +101,14 @@ def register_communicator(
     :class:`offload_shim.StagingError` before the method is entered, with the caller's tensors unchanged.
     """
     function, target_owner = _resolve(owner, method)
-    if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
-        raise TypeError(
-            f"offload_shim: register_communicator({method!r}): an async method returns before its body runs, and a "
-            f"staged call copies its results back when it returns; register the synchronous method it awaits"
-        )
     is_method = target_owner is not None
     module_name = owner.__module__ if is_method else owner.__name__
     label = ".".join(p for p in (module_name, target_owner, method) if p)
+    if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+        raise TypeError(
+            f"offload_shim: register_communicator({label}): an async method returns before its body runs, and a "
+            f"staged call copies its results back when it returns; register the synchronous method it awaits"
+        )
     if isinstance(device, str):
         if not device.isidentifier():
             raise ValueError(
