@@ -86,11 +86,13 @@ def install() -> None:
     if not torch.distributed.is_available():
         logging.getLogger("offload_shim").info("offload_shim: torch.distributed is unavailable; nothing installed")
         return
-    _patching.install(_targets())
-    _replay.prune()  # captures of groups destroyed while the shim was not installed
-    _groups.prune()  # and their served-path answers
-    _kernels.install()
-    _warning_location.install()
+    targets = _targets()  # (imported before the lock: a module's post-import hook takes it)
+    with _patching._lock:  # one install or uninstall at a time, whole: never half of each
+        _patching.install(targets)
+        _replay.prune()  # captures of groups destroyed while the shim was not installed
+        _groups.prune()  # and their served-path answers
+        _kernels.install()
+        _warning_location.install()
     _counters.register_summary_at_exit()
     logging.getLogger("offload_shim").info(
         "offload_shim %s: installed (torch %s, settings %s)", __version__, torch.__version__, settings()
@@ -100,9 +102,10 @@ def install() -> None:
 def uninstall() -> None:
     """Remove the wrappers: the exact original objects are bound again under every name where a wrapper was
     (modules imported while the shim was installed included). Removing twice changes nothing."""
-    _patching.uninstall()
-    _kernels.uninstall()
-    _warning_location.uninstall()
+    with _patching._lock:
+        _patching.uninstall()
+        _kernels.uninstall()
+        _warning_location.uninstall()
 
 
 def is_installed() -> bool:

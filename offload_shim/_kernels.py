@@ -38,6 +38,7 @@ frames run as plain Python there, as torch's own ``torch.distributed`` functions
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import torch
@@ -55,6 +56,17 @@ _libraries: list = globals().get("_libraries", [])  # the torch.library.Library 
 
 
 _hooked = globals().get("_hooked", False)  # the post-import hook above registered (kept across reloads)
+
+
+def _new_lock_after_fork() -> None:
+    """A child forked while another thread installed or removed the kernels would wait for the lock forever."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
+    _fork_hook_registered = True  # once per process, across importlib.reload
 
 
 def install() -> None:

@@ -24,6 +24,7 @@ The module's state survives ``importlib.reload``: a reload re-runs this code, an
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -80,6 +81,18 @@ _targets: list[Target] = globals().get("_targets", [])
 _added: list[Target] = globals().get("_added", [])  # targets added by add_target(), wrapped by every install() after it
 # Every wrapper the shim made, by id (a wrapper compares and hashes equal to what it wraps, so no set of them).
 _ours: dict[int, weakref.ref] = globals().get("_ours", {})
+
+
+def _new_lock_after_fork() -> None:
+    """A child forked while another thread held the lock (inside install() or a post-import hook) would wait for
+    it forever: the child has that thread no more."""
+    global _lock
+    _lock = threading.RLock()
+
+
+if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
+    _fork_hook_registered = True  # once per process, across importlib.reload
 
 
 def is_installed() -> bool:

@@ -121,6 +121,92 @@ def test_every_spelling_wrapped_and_restored():
     )
 
 
+def test_install_and_uninstall_run_one_at_a_time_whole():
+    """An uninstall() called while another thread's install() is part way (its kernels not yet registered) waits
+    for it, and then removes everything: never the wrappers of one and the kernels of the other."""
+    python(
+        """
+        import threading, warnings, offload_shim
+        from offload_shim import _kernels, _warning_location
+        offload_shim.uninstall()
+        inside, go = threading.Event(), threading.Event()
+        real = _kernels.install
+        def slow_install():
+            inside.set(); go.wait(5); real()
+        _kernels.install = slow_install
+        installing = threading.Thread(target=offload_shim.install); installing.start()
+        assert inside.wait(5)
+        removing = threading.Thread(target=offload_shim.uninstall); removing.start()
+        removing.join(0.5)
+        assert removing.is_alive()  # waits for the install under way
+        go.set(); installing.join(5); removing.join(5)
+        state = (offload_shim.is_installed(), _kernels.is_installed(), warnings.warn is _warning_location.warn)
+        assert state == (False, False, False), state
+        """
+    )
+
+
+def test_a_child_forked_while_a_lock_is_held_installs_and_imports():
+    """A child forked while another thread of the parent holds the shim's locks (inside install(), a post-import
+    hook, the kernels' registration) neither waits for them at its first import nor at install()."""
+    python(
+        """
+        import os, threading, time, offload_shim
+        from offload_shim import _kernels, _patching
+        held, release = threading.Event(), threading.Event()
+        def hold():
+            with _patching._lock, _kernels._lock:
+                held.set(); release.wait(30)
+        threading.Thread(target=hold, daemon=True).start()
+        assert held.wait(5)
+        pid = os.fork()
+        if pid == 0:
+            import torch.distributed._functional_collectives  # (its post-import hook takes the patching lock)
+            offload_shim.uninstall(); offload_shim.install()
+            os._exit(0 if offload_shim.is_installed() else 1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not os.waitpid(pid, os.WNOHANG)[0]:
+            time.sleep(0.05)
+        else:
+            if time.monotonic() >= deadline:
+                os.kill(pid, 9)
+                raise AssertionError("the child waited for a lock its parent's thread held")
+        release.set()
+        """
+    )
+
+
+def test_uninstall_leaves_a_wrapper_someone_put_around_warnings_warn():
+    """A library that wraps ``warnings.warn`` after the shim (``functools.wraps`` copies the shim's name and module)
+    keeps its wrapper at ``uninstall()``; the shim's function inside it then warns as ``warnings.warn`` does."""
+    out = python(
+        """
+        import functools, warnings, offload_shim
+        seen = []
+        def audit(function):
+            @functools.wraps(function)
+            def wrapper(*args, **kwargs):
+                seen.append(str(args[0]))
+                return function(*args, **kwargs)
+            return wrapper
+        warnings.warn = audit(warnings.warn)
+        ours = warnings.warn
+        offload_shim.uninstall()
+        assert warnings.warn is ours, warnings.warn
+        from offload_shim import _warning_location
+        alone = audit(_warning_location._original)  # the same wrapper around warnings.warn itself: the reference
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warnings.warn("hello")
+            alone("hello")
+        assert seen == ["hello"] * 2, seen
+        assert [(w.filename, w.lineno) for w in caught[:1]] == [(w.filename, w.lineno) for w in caught[1:]], caught
+        print("ok")
+        """
+    )
+    assert out.stdout.strip() == "ok"
+
+
 SINGLE_RANK = """
 import logging, torch, torch.distributed as dist, offload_shim
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
