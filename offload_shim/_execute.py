@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 from torch.utils.weak import WeakIdKeyDictionary
 
-from offload_shim import _counters, _devices, _groups, _registration, _replay, _staging
+from offload_shim import _counters, _devices, _groups, _interrupts, _registration, _replay, _staging
 from offload_shim._devices import StagingError, group_label
 from offload_shim._plan import C10D, Chunks, Plan
 from offload_shim._table import AFTER_THE_WIRE, AUTOGRAD, BOTH, ELEMENTWISE, NONE, READ, WRITE, overlapping
@@ -79,11 +79,13 @@ def run(plan: Plan, caller):
             if replayed:
                 mode = _counters.REPLAYED
         elif mode is _counters.PIPELINED:
-            result = _pipelined(plan)
+            with _interrupts.held():  # every chunk issued (and, synchronous, done) before a Ctrl-C is raised
+                result = _pipelined(plan)
         else:
             result = _whole(plan, caller)
     finally:
         _counters.count(call.entry.label, mode, plan.nbytes)
+        _interrupts.release()  # a Ctrl-C held back since the ranks' agreement (_interrupts)
     if refused is None:
         return result
     if isinstance(result, dist.Work):  # raised by wait(), once the call has completed, as Gloo's handle does

@@ -38,7 +38,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _devices
+from offload_shim import _config, _devices, _interrupts
 from offload_shim._staging import current_stream, new_stream
 from offload_shim._devices import StagingError
 
@@ -180,6 +180,7 @@ def agree(group: dist.ProcessGroup, settings, unable: str | None, collective: st
         if agreement.mine != mine:
             generation = agreement.generation + 1
             try:
+                _interrupts.hold()  # from here to the end of the call it is for (_interrupts)
                 agreement = _exchange(group, generation, mine, unable, collective)
             except BaseException:  # every rank raised at this generation: the next agreement takes the next one
                 state.agreement = _Agreement(generation=generation)

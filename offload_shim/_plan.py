@@ -35,7 +35,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _counters, _devices, _groups, _staging
+from offload_shim import _config, _counters, _devices, _groups, _interrupts, _staging
 from offload_shim._devices import StagingError
 from offload_shim._table import ELEMENTWISE, GATHER, LIST, NONE, READ, TENSOR, WRITE, Collective
 
@@ -174,12 +174,17 @@ def decide(call: Call) -> Plan | None:
         return None
     if not _well_formed(call):
         return None  # torch's own call raises its own error (a missing tensor, a list for a tensor), before any wire
+    _interrupts.release()  # (one held back for a decision whose plan was never run: not this call's)
+    plan = None
     try:
-        return _decide(call, group)
+        plan = _decide(call, group)
     except _groups.Unagreeable:  # (on every rank alike: the same store)
         _devices.passed_through(group, "its store cannot be written (a FakeStore), so its ranks cannot agree on "
                                        "staging")
-        return None
+    finally:
+        if plan is None:
+            _interrupts.release()  # nothing to run: a Ctrl-C held back since the ranks' agreement, now
+    return plan
 
 
 def _decide(call: Call, group) -> Plan | None:

@@ -180,6 +180,63 @@ def test_gather_input_inside_its_output_on_one_rank(gloo_ranks, three_gloo_ranks
             assert results == [(["cpu"], True)] * 2, results
 
 
+def check_ctrl_c_inside_a_pipelined_call(first: bool):
+    """Rank 0 gets SIGINT while a 4 MiB all_reduce in 1 MiB chunks runs (during its second chunk; or, ``first``,
+    while the ranks compare settings before a group's first call): as after torch's one C++ call, the
+    ``KeyboardInterrupt`` comes once every chunk is done, the tensor holds torch's result, and the group's next
+    collective pairs with the same one on every rank."""
+    import signal
+
+    from offload_shim import _execute, _groups
+
+    group, rank = _group(timeout_s=20), dist.get_rank()
+    tensor = rank_input((MiB,), torch.float32, seed=12)
+    want = _torch(lambda t: dist.all_reduce(t, group=group), tensor)
+    launcher, exchange = _execute._launcher, _groups._exchange
+
+    def interrupting_launcher(chunks, call):
+        prepare, issue = launcher(chunks, call)
+        issued = []
+
+        def interrupting_issue(prepared):
+            issued.append(True)
+            if len(issued) == 2:
+                signal.raise_signal(signal.SIGINT)
+            return issue(prepared)
+
+        return prepare, interrupting_issue
+
+    def interrupting_exchange(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        return exchange(*args, **kwargs)
+
+    interrupted = False
+    if rank == 0:
+        if first:
+            _groups._exchange = interrupting_exchange
+        else:
+            _execute._launcher = interrupting_launcher
+    try:
+        with staging_through_cpu(chunk_bytes=MiB):
+            if not first:
+                dist.all_reduce(torch.ones(1), group=group)  # (the settings compared: not part of this case)
+            try:
+                dist.all_reduce(tensor, group=group)
+            except KeyboardInterrupt:
+                interrupted = True
+            after = torch.full((4,), float(rank + 1))
+            dist.all_reduce(after, group=group)
+    finally:
+        _execute._launcher, _groups._exchange = launcher, exchange
+    return interrupted, same_bits(tensor, want), after.tolist()
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["chunks", "agreement"])
+def test_ctrl_c_inside_a_pipelined_call(gloo_ranks, first):
+    results = gloo_ranks.run(check_ctrl_c_inside_a_pipelined_call, first)
+    assert results == [(True, True, [3.0] * 4), (False, True, [3.0] * 4)], results
+
+
 def check_chunk_size_on_one_rank():
     """Row 4: a chunk size of 1 MiB on rank 0, the default on the others, at their first staged call on a group:
     the same clear error on every rank, before anything is sent; returns the error and how long it took."""
