@@ -151,6 +151,22 @@ def fold(counts: list) -> None:
                 return
 
 
+def _start_afresh_after_fork() -> None:
+    """A forked child counts its own calls from nothing, as a process of its own (its parent's stay the parent's),
+    logs its own first calls, and does not wait for a lock another thread of the parent held."""
+    global _lock
+    _lock = threading.Lock()
+    _table.clear()
+    _sites.clear()
+    for entry in _tallies:  # (the forking thread's tallies go on counting: read from now)
+        _add_tally({}, entry, clear=True)
+
+
+if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_start_afresh_after_fork)
+    _fork_hook_registered = True  # once per process, across importlib.reload
+
+
 def _add_tally(table: dict, entry, clear: bool) -> None:  # under _lock
     key, nbytes, counts, base = entry
     calls, seconds = counts[0], counts[1]  # (its thread adds to calls first)

@@ -9,8 +9,10 @@ there (torch, or a user's or another tool's wrapper of it), and binds each wrapp
 name holding the object it wraps; modules imported later bind the wrapper themselves. Removing binds each object back
 wherever its wrapper is found, modules imported while the shim was installed included; a name that someone else
 rebound after the shim (a wrapper of the shim's wrapper) is left as they left it. Each wrapper passes every call
-straight through once removed, so one that someone else still holds never stages again, and a later install never
-stacks a second staging wrapper on it. A wrapper asks whether it is still installed only where it would act (decide,
+straight through while removed, so one that someone else still holds stages nothing, and a later install never
+stacks a second staging wrapper on it: it binds the same wrapper again where it finds the same object to wrap (then
+one that someone holds stages again, as the installed one it is; compiled code that guards on the function it calls
+is not recompiled at each install). A wrapper asks whether it is still installed only where it would act (decide,
 replay, stage): a call it passes on is the same installed or not, so the calls that need no staging pay nothing for
 the question. Identity, not ``__wrapped__`` (which torch's own ``functools.wraps``
 decorators set), tells one object from another.
@@ -79,6 +81,9 @@ _applied: dict[tuple[str, str | None, str], list[_Binding]] = globals().get("_ap
 _hooked_modules: set[str] = globals().get("_hooked_modules", set())
 _targets: list[Target] = globals().get("_targets", [])
 _added: list[Target] = globals().get("_added", [])  # targets added by add_target(), wrapped by every install() after it
+# The bindings uninstall() removed, by key as _applied: install() binds the same wrappers again where it finds the
+# same objects to wrap.
+_removed: dict[tuple[str, str | None, str], list[_Binding]] = globals().get("_removed", {})
 # Every wrapper the shim made, by id (a wrapper compares and hashes equal to what it wraps, so no set of them).
 _ours: dict[int, weakref.ref] = globals().get("_ours", {})
 
@@ -150,10 +155,15 @@ def _apply(target: Target) -> None:
         value = unwrap_ours(vars(site).get(target.name))
         if value is None or any(b.original is value for b in bindings):
             continue
-        live = [True]
-        # (Not wrapt's ``enabled=live``: wrapt would read it before every call, served ones included.)
-        wrapper = wrapt.FunctionWrapper(value, target.make_wrapper(reference, live))
-        _ours[id(wrapper)] = weakref.ref(wrapper, lambda _, key=id(wrapper): _ours.pop(key, None))
+        before = next((b for b in _removed.get(key, ()) if b.original is value and b.target is target), None)
+        if before is not None:  # the wrapper an earlier install made of it, live again: compiled code's guards on
+            wrapper, live = before.wrapper, before.live  # the function it calls hold across install cycles
+            live.append(True)
+        else:
+            live = [True]
+            # (Not wrapt's ``enabled=live``: wrapt would read it before every call, served ones included.)
+            wrapper = wrapt.FunctionWrapper(value, target.make_wrapper(reference, live))
+            _ours[id(wrapper)] = weakref.ref(wrapper, lambda _, key=id(wrapper): _ours.pop(key, None))
         setattr(site, target.name, wrapper)
         if target.owner is None:
             _rebind(target.name, value, wrapper)
@@ -255,7 +265,8 @@ def uninstall() -> None:
     with _lock:
         _installed = False
         for key in list(_applied):
-            for binding in _applied.pop(key):
+            bindings = _removed[key] = _applied.pop(key)
+            for binding in bindings:
                 _remove(binding)
 
 

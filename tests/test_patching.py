@@ -121,6 +121,37 @@ def test_every_spelling_wrapped_and_restored():
     )
 
 
+def test_install_again_binds_the_same_wrappers():
+    """install() after uninstall() binds the very wrappers the first install made, where what they wrap is the
+    same: compiled code that guards on the function it calls compiles two graphs (installed, and not) however many
+    install cycles it sees, not one a cycle until Dynamo's recompile limit."""
+    out = python(
+        """
+        import socket, torch, torch._dynamo, torch.distributed as dist, offload_shim
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        first = dist.all_reduce
+        offload_shim.uninstall(); offload_shim.install()
+        assert dist.all_reduce is first and offload_shim.wrapped_functions()["torch.distributed.distributed_c10d.all_reduce"] is first
+
+        @torch.compile(backend="eager", fullgraph=True)
+        def step(x):
+            y = x * 2
+            dist.all_reduce(y)
+            return y + 1
+
+        results = []
+        for cycle in range(12):  # (past Dynamo's default recompile limit of 8)
+            (offload_shim.install if cycle % 2 == 0 else offload_shim.uninstall)()
+            results.append(step(torch.ones(2)).tolist())
+        print(torch._dynamo.utils.counters["stats"]["unique_graphs"], results == [[3.0, 3.0]] * 12)
+        dist.destroy_process_group()
+        """
+    )
+    assert out.stdout.split()[-2:] == ["2", "True"], out.stdout
+
+
 def test_install_and_uninstall_run_one_at_a_time_whole():
     """An uninstall() called while another thread's install() is part way (its kernels not yet registered) waits
     for it, and then removes everything: never the wrappers of one and the kernels of the other."""
@@ -147,8 +178,9 @@ def test_install_and_uninstall_run_one_at_a_time_whole():
 
 
 def test_a_child_forked_while_a_lock_is_held_installs_and_imports():
-    """A child forked while another thread of the parent holds the shim's locks (inside install(), a post-import
-    hook, the kernels' registration) neither waits for them at its first import nor at install()."""
+    """A child forked while other threads of the parent hold the shim's locks (inside install(), a post-import
+    hook, the kernels' registration, the counters) neither waits for them at its first import, at install() nor at
+    staging_counters(); and it counts its own staged calls, not its parent's."""
     python(
         """
         import os, threading, time, offload_shim
@@ -159,11 +191,16 @@ def test_a_child_forked_while_a_lock_is_held_installs_and_imports():
                 held.set(); release.wait(30)
         threading.Thread(target=hold, daemon=True).start()
         assert held.wait(5)
+        from offload_shim import _counters
+        held_counters = threading.Thread(target=lambda: _counters._lock.acquire() and release.wait(30), daemon=True)
+        held_counters.start(); time.sleep(0.2)
+        _counters._table[("torch.distributed.all_reduce", "staged", "whole")] = [3, 12, 0.1]  # the parent's
         pid = os.fork()
         if pid == 0:
             import torch.distributed._functional_collectives  # (its post-import hook takes the patching lock)
             offload_shim.uninstall(); offload_shim.install()
-            os._exit(0 if offload_shim.is_installed() else 1)
+            counted = offload_shim.staging_counters()  # (takes the counters' lock)
+            os._exit(0 if offload_shim.is_installed() and not counted else 1)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not os.waitpid(pid, os.WNOHANG)[0]:
             time.sleep(0.05)
