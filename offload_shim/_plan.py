@@ -323,9 +323,9 @@ def _gathered_in_chunks(call: Call, tensor: torch.Tensor, output: torch.Tensor |
     """Whether a gather's chunks may stand in for torch's call on ``device``: its output (``None``: one the op
     returns) is what torch requires of it on every rank (``tensor``'s dtype, the group's size times its elements)
     and, staged through the host, what the host's backend requires too (Gloo: the inputs, of one dimension or more,
-    stacked along the first; NCCL takes any shape of that size, and a 0-dim input). Otherwise the call is staged whole, and torch's call on the
-    staged tensors judges it: its error, or its result. Only what torch requires decides, so that every rank of a
-    call torch runs decides alike."""
+    stacked along the first; NCCL takes any shape of that size, and a 0-dim input). Otherwise the call is staged
+    whole, and torch's call on the staged tensors judges it: its error, or its result. Only what torch requires
+    decides, so that every rank of a call torch runs decides alike."""
     world = call.group.size()
     if output is not None and (output.dtype != tensor.dtype or output.numel() != world * tensor.numel()):
         return False
