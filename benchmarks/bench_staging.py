@@ -280,13 +280,13 @@ def served_path(bench) -> None:
     to back, so the host's drift cancels). A second pass-through wrapper of its own measured beside the first shows
     what the method itself resolves (two wrappers that do the same differ by the layout of their objects and code).
     Where torch calls one collective from another, the inner call passes through the shim's wrapper on every side
-    alike. The floor beside them: a wrapt wrapper that reads what any served decision must read of the call (each tensor argument's device, and the size of a host tensor on a group that can route host
-    calls through the accelerator) and passes the call on; what the shim adds beyond it is its own. And the shim's
-    wrapper made again beside these references, by the same factory: a wrapper's CPU time
-    moves with where its objects and code lie (the references, made here, lie near the loop that times them, whose
-    own objects stay in the caches), so this one differs from the installed shim by placement alone. Then the
-    wrapper's decision alone: the shim's wrapper function and a pass-through one around a function that does
-    nothing."""
+    alike. The floor beside them: a wrapt wrapper that reads what any served decision must read of the call (each
+    tensor argument's device, and the size of a host tensor on a group that can route host calls through the
+    accelerator) and passes the call on; what the shim adds beyond it is its own. And the shim's wrapper made again
+    beside these references, by the same factory: a wrapper's CPU time moves with where its objects and code lie
+    (the references, made here, lie near the loop that times them, whose own objects stay in the caches), so this
+    one differs from the installed shim by placement alone. Then the wrapper's decision alone: the shim's wrapper
+    function and a pass-through one around a function that does nothing."""
     import wrapt
 
     nccl, gloo = bench.groups["nccl"], bench.groups["gloo"]

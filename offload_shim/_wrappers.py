@@ -488,7 +488,8 @@ def functional_wrapper(entry: _table.Collective):
             group = _devices.resolve_functional_group(
                 parameters.get(args, kwargs, "group"), parameters.get(args, kwargs, "tag", "")
             )
-            plan = None if group is None or not live else _plan.decide(_plan.Call(entry, _plan.FUNCTIONAL, group, {name: value}))
+            plan = None if group is None or not live else _plan.decide(
+                _plan.Call(entry, _plan.FUNCTIONAL, group, {name: value}))
             if plan is None:
                 if refused is not None:
                     raise refused
