@@ -37,7 +37,7 @@ from typing import Mapping, NamedTuple
 
 import torch
 
-from offload_shim import _config, _staging, _warning_location
+from offload_shim import _config, _fork, _staging, _warning_location
 
 # Routes: what took a call off torch's own path.
 STAGED = "staged"  # the group has no backend for the tensor's device (a CPU tensor on a NCCL-only group); or a
@@ -151,6 +151,7 @@ def fold(counts: list) -> None:
                 return
 
 
+@_fork.after_fork
 def _start_afresh_after_fork() -> None:
     """A forked child counts its own calls from nothing, as a process of its own (its parent's stay the parent's),
     logs its own first calls, and does not wait for a lock another thread of the parent held."""
@@ -162,9 +163,6 @@ def _start_afresh_after_fork() -> None:
         _add_tally({}, entry, clear=True)
 
 
-if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_start_afresh_after_fork)
-    _fork_hook_registered = True  # once per process, across importlib.reload
 
 
 def _add_tally(table: dict, entry, clear: bool) -> None:  # under _lock

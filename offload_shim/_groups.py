@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import os
 import threading
 import time
 import weakref
@@ -38,7 +37,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _devices, _interrupts
+from offload_shim import _config, _devices, _fork, _interrupts
 from offload_shim._staging import current_stream, new_stream
 from offload_shim._devices import StagingError
 
@@ -415,6 +414,7 @@ def release() -> None:
         each.synchronize()
 
 
+@_fork.after_fork
 def _forget_after_fork() -> None:
     """In a forked child: the parent's lane threads are not there (their executors would never run a copy), and its
     agreements, answers and pools were the parent's; a lock a parent's thread held at the fork would never be
@@ -425,8 +425,3 @@ def _forget_after_fork() -> None:
     host_answers.clear()
     _idle.clear()
     _busy.clear()
-
-
-if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
-    _fork_hook_registered = True  # once per process, across importlib.reload

@@ -38,14 +38,13 @@ frames run as plain Python there, as torch's own ``torch.distributed`` functions
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
 import torch.distributed as dist
 import wrapt
 
-from offload_shim import _devices, _execute, _plan, _table
+from offload_shim import _devices, _execute, _fork, _plan, _table
 
 NAMESPACES = _table.OPS_NAMESPACES
 POINT_TO_POINT = frozenset(name for name, entry in _table.OPS.items() if entry.point_to_point)
@@ -58,15 +57,13 @@ _libraries: list = globals().get("_libraries", [])  # the torch.library.Library 
 _hooked = globals().get("_hooked", False)  # the post-import hook above registered (kept across reloads)
 
 
+@_fork.after_fork
 def _new_lock_after_fork() -> None:
     """A child forked while another thread installed or removed the kernels would wait for the lock forever."""
     global _lock
     _lock = threading.Lock()
 
 
-if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_after_fork)
-    _fork_hook_registered = True  # once per process, across importlib.reload
 
 
 def install() -> None:

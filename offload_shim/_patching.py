@@ -26,7 +26,6 @@ The module's state survives ``importlib.reload``: a reload re-runs this code, an
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import wrapt
+
+from offload_shim import _fork
 
 _log = logging.getLogger("offload_shim")
 
@@ -88,6 +89,7 @@ _removed: dict[tuple[str, str | None, str], list[_Binding]] = globals().get("_re
 _ours: dict[int, weakref.ref] = globals().get("_ours", {})
 
 
+@_fork.after_fork
 def _new_lock_after_fork() -> None:
     """A child forked while another thread held the lock (inside install() or a post-import hook) would wait for
     it forever: the child has that thread no more."""
@@ -95,9 +97,6 @@ def _new_lock_after_fork() -> None:
     _lock = threading.RLock()
 
 
-if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_after_fork)
-    _fork_hook_registered = True  # once per process, across importlib.reload
 
 
 def is_installed() -> bool:

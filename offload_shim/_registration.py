@@ -47,7 +47,7 @@ import weakref
 
 import torch
 
-from offload_shim import _config, _groups
+from offload_shim import _config, _fork, _groups
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, as torch's own stager registers
 _NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered: nothing left to undo
@@ -305,6 +305,7 @@ def _clear_error() -> None:
         pass
 
 
+@_fork.after_fork
 def _forget_the_parents() -> None:
     """In a child made by ``fork()``: the tables describe the parent's registrations; the child forgets them."""
     global _lock
@@ -315,6 +316,3 @@ def _forget_the_parents() -> None:
     _seen.clear()
     _failed.clear()
     _evicted.clear()
-
-
-os.register_at_fork(after_in_child=_forget_the_parents)

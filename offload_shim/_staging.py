@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from offload_shim import _fork
+
 
 class _CallDepth(threading.local):
     depth = 0  # staged calls running in this thread
@@ -163,14 +165,12 @@ def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
         bits(destination).copy_(bits(source))
 
 
+@_fork.after_fork
 def _forget_copy_pool() -> None:
     """In a forked child: the parent's copy threads are not there, so its executor would never run a copy."""
     _copy_pool.clear()
 
 
-if not globals().get("_fork_hook_registered") and hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_copy_pool)
-    _fork_hook_registered = True  # once per process, across importlib.reload
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -214,6 +214,29 @@ def test_a_child_forked_while_a_lock_is_held_installs_and_imports():
     )
 
 
+def test_a_forked_child_runs_each_reset_once_across_reloads():
+    """Every module's reset runs once in a forked child, however often the modules were reloaded: a reloaded module
+    marks its reset again, and one hook (registered once per process) runs them."""
+    python(
+        """
+        import importlib, os
+        from offload_shim import _fork, _staging
+        runs = []
+        def probe():
+            runs.append(1)
+        _fork.after_fork(probe)
+        importlib.reload(_fork); importlib.reload(_staging)
+        _fork.after_fork(probe)  # (as a reloaded module marks its reset again)
+        _staging._copy_pool.append("the parent's copy threads")
+        pid = os.fork()
+        if pid == 0:
+            os._exit(10 + len(runs) if _staging._copy_pool == [] else 1)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        assert status == 11, status
+        """
+    )
+
+
 def test_uninstall_leaves_a_wrapper_someone_put_around_warnings_warn():
     """A library that wraps ``warnings.warn`` after the shim (``functools.wraps`` copies the shim's name and module)
     keeps its wrapper at ``uninstall()``; the shim's function inside it then warns as ``warnings.warn`` does."""
