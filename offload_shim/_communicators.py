@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from offload_shim import _config, _counters, _devices, _patching, _staging, _table
+from offload_shim import _config, _counters, _devices, _interrupts, _patching, _staging, _table
 
 _log = logging.getLogger("offload_shim")
 
@@ -243,7 +243,8 @@ def _call(spec: _Spec, parameters, wrapped, instance, args, kwargs):
             )
     nbytes = sum(e.caller.numel() * e.caller.element_size() for e in staged.values())
     try:
-        return _run_staged(parameters, wrapped, args, kwargs, device, staged, names)
+        with _interrupts.held():  # a Ctrl-C is raised once the results are copied back (_interrupts)
+            return _run_staged(parameters, wrapped, args, kwargs, device, staged, names)
     finally:
         _counters.count(spec.label, _counters.WHOLE, nbytes)
 

@@ -72,20 +72,22 @@ def run(plan: Plan, caller):
     """
     call = plan.call
     mode = plan.mode
-    refused = _refusals(plan)
+    _interrupts.hold()  # a Ctrl-C from here (or from the ranks' agreement) is raised once the call is done
     try:
-        if mode is _counters.SMALL:
-            replayed, result = _small(plan, caller)
-            if replayed:
-                mode = _counters.REPLAYED
-        elif mode is _counters.PIPELINED:
-            with _interrupts.held():  # every chunk issued (and, synchronous, done) before a Ctrl-C is raised
+        refused = _refusals(plan)
+        try:
+            if mode is _counters.SMALL:
+                replayed, result = _small(plan, caller)
+                if replayed:
+                    mode = _counters.REPLAYED
+            elif mode is _counters.PIPELINED:
                 result = _pipelined(plan)
-        else:
-            result = _whole(plan, caller)
+            else:
+                result = _whole(plan, caller)
+        finally:
+            _counters.count(call.entry.label, mode, plan.nbytes)
     finally:
-        _counters.count(call.entry.label, mode, plan.nbytes)
-        _interrupts.release()  # a Ctrl-C held back since the ranks' agreement (_interrupts)
+        _interrupts.release()
     if refused is None:
         return result
     if isinstance(result, dist.Work):  # raised by wait(), once the call has completed, as Gloo's handle does

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from offload_shim import _fork
+from offload_shim import _fork, _interrupts
 
 
 class _CallDepth(threading.local):
@@ -610,6 +610,10 @@ class StagedWork(_StagedHandle):
             raise self._error
         if self._finished and self._waited == len(self._works):
             return True
+        with _interrupts.held():  # a Ctrl-C is raised once the results are written, as after torch's wait()
+            return self._wait(timeout)
+
+    def _wait(self, timeout: datetime.timedelta) -> bool:
         with self._wait_lock:  # (after a future's callback finished the call: each work waited once all the same,
             # so that its own handle has completed, as torch's does after wait(), before result() asks it)
             while self._waited < len(self._works):

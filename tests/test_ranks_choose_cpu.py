@@ -237,6 +237,84 @@ def test_ctrl_c_inside_a_pipelined_call(gloo_ranks, first):
     assert results == [(True, True, [3.0] * 4), (False, True, [3.0] * 4)], results
 
 
+def check_ctrl_c_inside_a_staged_call(mode: str):
+    """Rank 0 gets SIGINT once the collective of a staged all_reduce is done on it and before its result is copied
+    back: a small call (64 bytes), one staged whole (2 MiB, the chunks 4 MiB), or an asynchronous one whose
+    ``wait()`` copies back. As after torch's call or wait, the ``KeyboardInterrupt`` comes once the tensor holds
+    torch's result, and the group's next collective pairs with the same one on every rank."""
+    import signal
+
+    from offload_shim import _staging
+
+    group, rank = _group(timeout_s=20), dist.get_rank()
+    tensor = rank_input((16,) if mode == "small" else (MiB // 2,), torch.float32, seed=13)
+    want = _torch(lambda t: dist.all_reduce(t, group=group), tensor)
+    copy_back, small = _staging.StagedArguments.copy_back, _staging.stage_small_in_place
+
+    def interrupting_copy_back(self):
+        signal.raise_signal(signal.SIGINT)
+        return copy_back(self)
+
+    def interrupting_small(tensor, device, run, **kwargs):
+        def interrupted_run(staged):
+            result = run(staged)
+            signal.raise_signal(signal.SIGINT)
+            return result
+
+        return small(tensor, device, interrupted_run, **kwargs)
+
+    interrupted = False
+    try:
+        with staging_through_cpu(chunk_bytes=4 * MiB, graphs=False) as devices:
+            dist.all_reduce(torch.ones(1), group=group)  # (the settings compared: not part of this case)
+            if rank == 0 and mode == "small":
+                _staging.stage_small_in_place = interrupting_small
+            elif rank == 0:
+                _staging.StagedArguments.copy_back = interrupting_copy_back
+            try:
+                if mode == "wait":
+                    work = dist.all_reduce(tensor, group=group, async_op=True)
+                    work.wait()
+                else:
+                    dist.all_reduce(tensor, group=group)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                _staging.StagedArguments.copy_back, _staging.stage_small_in_place = copy_back, small
+            after = torch.full((4,), float(rank + 1))
+            dist.all_reduce(after, group=group)
+    finally:
+        _staging.StagedArguments.copy_back, _staging.stage_small_in_place = copy_back, small
+    return interrupted, same_bits(tensor, want), after.tolist(), len(devices)
+
+
+@pytest.mark.parametrize("mode", ["small", "whole", "wait"])
+def test_ctrl_c_inside_a_staged_call(gloo_ranks, mode):
+    results = gloo_ranks.run(check_ctrl_c_inside_a_staged_call, mode)
+    assert results == [(True, True, [3.0] * 4, 3), (False, True, [3.0] * 4, 3)], results
+
+
+def check_ctrl_c_after_a_refused_first_call():
+    """A group's first staged call, refused after the ranks' agreement and before anything is staged (an output
+    whose elements share memory): Ctrl-C is not held back after it."""
+    import signal
+
+    group = _group(timeout_s=20)
+    with staging_through_cpu():
+        with pytest.raises(RuntimeError, match="more than one element"):
+            dist.all_reduce(torch.ones(1).expand(4), group=group)
+    try:
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0.01)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def test_ctrl_c_after_a_refused_first_call(gloo_ranks):
+    assert gloo_ranks.run(check_ctrl_c_after_a_refused_first_call) == [True, True]
+
+
 def check_chunk_size_on_one_rank():
     """Row 4: a chunk size of 1 MiB on rank 0, the default on the others, at their first staged call on a group:
     the same clear error on every rank, before anything is sent; returns the error and how long it took."""
