@@ -11,6 +11,7 @@ rank of a correct program records the same sequence.
 
 from __future__ import annotations
 
+import datetime
 import threading
 
 import torch
@@ -162,10 +163,11 @@ def register() -> None:
             _registered.append(True)
 
 
-def new_group() -> Recording:
-    """A recording group of every rank."""
+def new_group(timeout_s: float = 60) -> Recording:
+    """A recording group of every rank. Its timeout (default 60 s, within the rank pools' 120 s) bounds how long a
+    rank waits for a peer that raised before a collective: an error, not a hang."""
     register()
-    return dist.new_group(backend=BACKEND)
+    return dist.new_group(backend=BACKEND, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def take(group: Recording) -> list[tuple]:

@@ -110,8 +110,9 @@ def calls(world: int):
         for _ in range(world):
             entry = draw(st.sampled_from(ENTRIES[collective]))
             contiguous = collective not in STRIDED or draw(st.booleans())
-            if collective == "all_gather_into_tensor" and entry in ("funcol", "compiled") and not contracts.GATHERS_STRIDED:
-                contiguous = True  # torch 2.11's funcol.all_gather_tensor asserts a contiguous input
+            if (collective == "all_gather_into_tensor" and entry in ("funcol", "funcol_inplace", "compiled")
+                    and not contracts.GATHERS_STRIDED):
+                contiguous = True  # torch 2.11's funcol.all_gather_tensor (the in-place form too) asserts contiguity
             grad = collective in GRAD and not entry.startswith("funcol") and entry != "compiled" and draw(st.booleans())
             choices.append(Choice(entry, contiguous, grad))
         sizes = ()
@@ -166,6 +167,9 @@ def _tensor(values: torch.Tensor, choice: Choice) -> torch.Tensor:
 
 def _compile(name, function):
     if name not in _compiled:
+        # One compiled function per entry, called with every dtype and layout the cases draw: each a recompile (its
+        # guards hold dtype and strides), past Dynamo's default limit of 8 in a long run, where fullgraph=True raises.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _compiled[name] = torch.compile(function, backend="eager", dynamic=True, fullgraph=True)
     return _compiled[name]
 
