@@ -243,7 +243,7 @@ def _call(spec: _Spec, parameters, wrapped, instance, args, kwargs):
             )
     nbytes = sum(e.caller.numel() * e.caller.element_size() for e in staged.values())
     try:
-        with _interrupts.held():  # a Ctrl-C is raised once the results are copied back (_interrupts)
+        with _interrupts.held():  # a Ctrl-C comes once the results are copied back
             return _run_staged(parameters, wrapped, args, kwargs, device, staged, names)
     finally:
         _counters.count(spec.label, _counters.WHOLE, nbytes)

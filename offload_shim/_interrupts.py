@@ -7,8 +7,9 @@ this rank would stop part way, the caller's tensor without its result or half-wr
 were still to come, its peers would go on and the group's next collective would pair with the wrong one (Gloo
 aborts the process). From the first step (:func:`hold`) to the end of the call (:func:`release`, by the executor),
 Python's SIGINT handler in the main thread is replaced by one that notes the signal; the handler it replaced then
-runs: ``KeyboardInterrupt`` is raised there, as after torch's call. Another thread's calls, and a SIGINT that Python
-does not handle (``SIG_IGN``, ``SIG_DFL``), are left as they are. Both steps together cost about 0.3 us (on the
+runs: ``KeyboardInterrupt`` is raised there, as after torch's call. A handler the program sets meanwhile (from
+another signal's handler) is kept; another thread's calls, and a SIGINT that Python does not handle (``SIG_IGN``,
+``SIG_DFL``), are left as they are. Both steps together cost about 0.3 us (on the
 2-core CPU machine). An asynchronous call is held until it returns its handle, and the handle's ``wait()``, which
 writes the results, until they are written."""
 
@@ -22,51 +23,66 @@ import threading
 from offload_shim import _fork
 
 SIGINT = int(signal.SIGINT)
-_held: list = []  # [the handler replaced] while the main thread holds SIGINT back
-_caught: list = []  # [the frame of each SIGINT noted meanwhile]
+# (Each kept across importlib.reload: a call holding SIGINT back releases it through them.)
+_holding: list = globals().get("_holding", [])  # [True] while the main thread holds SIGINT back
+_caught: list = globals().get("_caught", [])  # the frame of each SIGINT noted meanwhile
+_replaced: list = globals().get("_replaced") or [signal.default_int_handler]  # the handler _note stands in for
 _main = threading.main_thread
 
 
-def _note(signum, frame) -> None:
-    _caught.append(frame)
+def _noting(signum, frame) -> None:
+    if _holding:
+        _caught.append(frame)
+    else:  # put back by the program after it read it during a call: the handler it stood in for
+        _replaced[0](signum, frame)
+
+
+_note = globals().get("_note", _noting)  # the SIGINT handler while held back (the same across importlib.reload)
 
 
 def hold() -> None:
     """Hold SIGINT back until :func:`release` (holding already, or outside the main thread: nothing)."""
-    if _held or threading.get_ident() != _main().ident:
+    if _holding or threading.get_ident() != _main().ident:
         return
     previous = _signal.getsignal(SIGINT)
-    if callable(previous):
+    if previous is not _note:
+        if not callable(previous):  # SIG_IGN, SIG_DFL: not Python's to hold back
+            return
+        _replaced[0] = previous
         _signal.signal(SIGINT, _note)
-        _held.append(previous)
+    _holding.append(True)
 
 
 def release() -> None:
-    """Put the SIGINT handler back, and run it for a SIGINT held back meanwhile (Python's raises
-    ``KeyboardInterrupt``, here)."""
-    if not _held or threading.get_ident() != _main().ident:
+    """Put the SIGINT handler back (unless the program set another meanwhile), and run it for a SIGINT held back
+    meanwhile (Python's raises ``KeyboardInterrupt``, here)."""
+    if not _holding or threading.get_ident() != _main().ident:
         return
-    previous = _held.pop()
-    _signal.signal(SIGINT, previous)
-    if _caught:
-        frame = _caught[0]
+    _holding.clear()
+    try:
+        if _signal.getsignal(SIGINT) is _note:
+            _signal.signal(SIGINT, _replaced[0])
+    finally:
+        frame = _caught[0] if _caught else None
         _caught.clear()
-        previous(SIGINT, frame)
+    if frame is not None:
+        _replaced[0](SIGINT, frame)
 
 
 @_fork.after_fork
 def _put_back_after_fork() -> None:
     """A child forked while the main thread held SIGINT back (from another thread) would never release it: its
     handler is put back."""
-    if _held:
-        _signal.signal(SIGINT, _held.pop())
-        _caught.clear()
+    _holding.clear()
+    _caught.clear()
+    if _signal.getsignal(SIGINT) is _note:
+        _signal.signal(SIGINT, _replaced[0])
 
 
 @contextlib.contextmanager
 def held():
     """Hold SIGINT back for the block, unless held already (then until that hold's :func:`release`)."""
-    outer = bool(_held)
+    outer = bool(_holding)
     hold()
     try:
         yield

@@ -751,9 +751,10 @@ class BackgroundWork(_StagedHandle):
         completion.add_done_callback(lambda _: written(token))
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        if timeout and not concurrent.futures.wait([self._completion], timeout.total_seconds()).done:
-            raise RuntimeError(f"offload_shim: a staged asynchronous call did not complete within {timeout}")
-        self._completion.result()
+        with _interrupts.held():  # a Ctrl-C is raised once the results are written, as after torch's wait()
+            if timeout and not concurrent.futures.wait([self._completion], timeout.total_seconds()).done:
+                raise RuntimeError(f"offload_shim: a staged asynchronous call did not complete within {timeout}")
+            self._completion.result()
         return True
 
     def _described_by(self):

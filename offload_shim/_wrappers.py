@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import wrapt
 
-from offload_shim import _config, _counters, _devices, _execute, _groups, _plan, _replay, _staging, _table
+from offload_shim import _config, _counters, _devices, _execute, _groups, _interrupts, _plan, _replay, _staging, _table
 from offload_shim._patching import Parameters, Target, unwrap_ours
 
 C10D_MODULE = "torch.distributed.distributed_c10d"
@@ -352,14 +352,18 @@ def _batch_wrapper(original, live):
         plan = _plan.decide(_plan.Call(entry, _plan.C10D, group, {"p2p_op_list": tensors}, async_op=True))
         if plan is None:
             return wrapped(operations)
-        for tensor in tensors:
-            error = _table.CONTIGUOUS_P2P(tensor)
-            if error is not None:
-                raise error
+        _interrupts.hold()  # a Ctrl-C from here (or from the ranks' agreement) is raised once the batch is issued
         try:
-            return _staged_batch(wrapped, operations, plan.device, plan.source)
+            for tensor in tensors:
+                error = _table.CONTIGUOUS_P2P(tensor)
+                if error is not None:
+                    raise error
+            try:
+                return _staged_batch(wrapped, operations, plan.device, plan.source)
+            finally:
+                _counters.count(entry.label, _counters.WHOLE, plan.nbytes)
         finally:
-            _counters.count(entry.label, _counters.WHOLE, plan.nbytes)
+            _interrupts.release()
 
     return wrapper
 

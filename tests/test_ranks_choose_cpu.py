@@ -294,15 +294,9 @@ def test_ctrl_c_inside_a_staged_call(gloo_ranks, mode):
     assert results == [(True, True, [3.0] * 4, 3), (False, True, [3.0] * 4, 3)], results
 
 
-def check_ctrl_c_after_a_refused_first_call():
-    """A group's first staged call, refused after the ranks' agreement and before anything is staged (an output
-    whose elements share memory): Ctrl-C is not held back after it."""
+def _ctrl_c_raises() -> bool:
     import signal
 
-    group = _group(timeout_s=20)
-    with staging_through_cpu():
-        with pytest.raises(RuntimeError, match="more than one element"):
-            dist.all_reduce(torch.ones(1).expand(4), group=group)
     try:
         signal.raise_signal(signal.SIGINT)
         time.sleep(0.01)
@@ -311,8 +305,137 @@ def check_ctrl_c_after_a_refused_first_call():
     return False
 
 
-def test_ctrl_c_after_a_refused_first_call(gloo_ranks):
-    assert gloo_ranks.run(check_ctrl_c_after_a_refused_first_call) == [True, True]
+def check_ctrl_c_after_first_calls(case: str):
+    """A group's first staged call, in which the ranks agree on their settings first: refused after the agreement
+    and before anything is staged (an output whose elements share memory; a non-contiguous ``batch_isend_irecv``
+    tensor), or a ``batch_isend_irecv`` that runs (on a group with a CPU and an accelerator backend, where the
+    ranks agree before point-to-point calls too). Afterwards SIGINT has the handler it had before, and Ctrl-C
+    raises at once, as after torch's call."""
+    import signal
+
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    rank = dist.get_rank()
+    group = _group(timeout_s=20) if case == "refused all_reduce" else dist.new_group(
+        backend="cpu:gloo,cuda:fake", timeout=datetime.timedelta(seconds=20))
+    before = signal.getsignal(signal.SIGINT)
+    peer = 1 - rank
+    with staging_through_cpu():
+        if case == "refused all_reduce":
+            with pytest.raises(RuntimeError, match="more than one element"):
+                dist.all_reduce(torch.ones(1).expand(4), group=group)
+        else:
+            tensor = torch.ones(4, 2).t() if case == "refused batch" else torch.full((4,), float(rank))
+            received = torch.zeros(4)
+            operations = [dist.P2POp(dist.isend, tensor, peer, group), dist.P2POp(dist.irecv, received, peer, group)]
+            if case == "refused batch":
+                with pytest.raises(RuntimeError, match="contiguous"):
+                    dist.batch_isend_irecv(operations)
+            else:
+                for work in dist.batch_isend_irecv(operations):
+                    work.wait()
+                assert received.tolist() == [float(peer)] * 4
+    return signal.getsignal(signal.SIGINT) is before, _ctrl_c_raises()
+
+
+@pytest.mark.parametrize("case", ["refused all_reduce", "refused batch", "batch"])
+def test_ctrl_c_after_first_calls(gloo_ranks, case):
+    assert gloo_ranks.run(check_ctrl_c_after_first_calls, case) == [(True, True)] * 2
+
+
+def check_ctrl_c_inside_the_wait_of_a_chunked_call():
+    """Rank 0 gets SIGINT while it waits for an asynchronous 4 MiB all_reduce in 1 MiB chunks that rank 1 joins a
+    second later: the ``KeyboardInterrupt`` comes once the tensor holds torch's result, as after torch's wait()."""
+    import signal
+
+    group, rank = _group(timeout_s=20), dist.get_rank()
+    tensor = rank_input((MiB,), torch.float32, seed=14)
+    want = _torch(lambda t: dist.all_reduce(t, group=group), tensor)
+    interrupted, waited = False, 0.0
+    with staging_through_cpu(chunk_bytes=MiB):
+        dist.all_reduce(torch.ones(1), group=group)  # (the settings compared: not part of this case)
+        if rank == 1:
+            time.sleep(1.0)
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        if rank == 0:
+            main = threading.main_thread().ident  # (to the main thread, whose wait the signal interrupts)
+            threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            work.wait()
+        except KeyboardInterrupt:
+            interrupted = True
+        waited = time.monotonic() - start
+        after = torch.full((4,), float(rank + 1))
+        dist.all_reduce(after, group=group)
+    return interrupted, same_bits(tensor, want), after.tolist(), waited > 0.5 if rank == 0 else None
+
+
+def test_ctrl_c_inside_the_wait_of_a_chunked_call(gloo_ranks):
+    results = gloo_ranks.run(check_ctrl_c_inside_the_wait_of_a_chunked_call)
+    assert results == [(True, True, [3.0] * 4, True), (False, True, [3.0] * 4, None)], results
+
+
+def check_sigint_handler_set_inside_a_staged_call():
+    """Code that runs inside a staged call (another signal's handler, in torch's call run after it) and sets a SIGINT
+    handler keeps it after the call; code that reads the handler there and puts it back after the call keeps
+    Ctrl-C working."""
+    import signal
+
+    from offload_shim import _staging
+
+    group = _group(timeout_s=20)
+    copy_back = _staging.StagedArguments.copy_back
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    def setting_copy_back(self):
+        seen.append(signal.getsignal(signal.SIGINT))
+        signal.signal(signal.SIGINT, mine)
+        return copy_back(self)
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with staging_through_cpu(chunk_bytes=4 * MiB):
+            dist.all_reduce(torch.ones(1), group=group)  # (the settings compared: not part of this case)
+            _staging.StagedArguments.copy_back = setting_copy_back
+            dist.all_reduce(torch.ones(MiB // 2), group=group)
+            _staging.StagedArguments.copy_back = copy_back
+        kept = signal.getsignal(signal.SIGINT) is mine
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0.01)
+        signal.signal(signal.SIGINT, seen[0])  # what the call's code read, put back
+        raises = _ctrl_c_raises()
+    finally:
+        _staging.StagedArguments.copy_back = copy_back
+        signal.signal(signal.SIGINT, before)
+    return kept, seen[1:], raises
+
+
+def test_sigint_handler_set_inside_a_staged_call(gloo_ranks):
+    assert gloo_ranks.run(check_sigint_handler_set_inside_a_staged_call) == [(True, [2], True)] * 2
+
+
+def test_ctrl_c_held_across_a_reload():
+    """A call holding SIGINT back while ``_interrupts`` is reloaded (another thread's importlib.reload) puts the
+    handler back at its end, and the SIGINT it held is raised then."""
+    import importlib
+    import signal
+
+    from offload_shim import _interrupts
+
+    before = signal.getsignal(signal.SIGINT)
+    _interrupts.hold()
+    try:
+        signal.raise_signal(signal.SIGINT)  # noted
+        importlib.reload(_interrupts)
+    finally:
+        with pytest.raises(KeyboardInterrupt):
+            _interrupts.release()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert _ctrl_c_raises()
 
 
 def check_chunk_size_on_one_rank():
