@@ -163,8 +163,6 @@ def _start_afresh_after_fork() -> None:
         _add_tally({}, entry, clear=True)
 
 
-
-
 def _add_tally(table: dict, entry, clear: bool) -> None:  # under _lock
     key, nbytes, counts, base = entry
     calls, seconds = counts[0], counts[1]  # (its thread adds to calls first)

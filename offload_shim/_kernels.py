@@ -64,8 +64,6 @@ def _new_lock_after_fork() -> None:
     _lock = threading.Lock()
 
 
-
-
 def install() -> None:
     """Register the ``CPU`` kernels (see the module docstring), and keep the shim's own code out of Dynamo from
     when it is imported (:func:`_keep_out_of_dynamo`). Installing twice changes nothing; does nothing where

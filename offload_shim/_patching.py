@@ -97,8 +97,6 @@ def _new_lock_after_fork() -> None:
     _lock = threading.RLock()
 
 
-
-
 def is_installed() -> bool:
     """Whether the wrappers are installed (wrappers still referenced after :func:`uninstall` pass through)."""
     return _installed

@@ -171,8 +171,6 @@ def _forget_copy_pool() -> None:
     _copy_pool.clear()
 
 
-
-
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself, or for a bool tensor its bytes (a ``uint8`` view): a host copy between bool tensors stores
     1 for any nonzero byte, where a collective leaves what the backend computed (2 in a two-rank bool SUM, for
