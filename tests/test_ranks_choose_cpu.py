@@ -745,6 +745,7 @@ def check_answers_of_groups_torch_destroyed():
     del group
     gc.collect()
     seen["let go"] = ref() is None
+    dist.barrier()  # (every rank's old group freed before the next is made: Gloo closes its pairs as it frees them)
     other = dist.new_group(backend="gloo")
     dist.destroy_process_group(other)
     _groups.keep_answer(other, _config.settings(), float("inf"))  # found before the destroy, kept after it
