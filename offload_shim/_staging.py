@@ -527,7 +527,15 @@ class _StagedHandle(dist.Work):
     end as ``wait()`` does (the results are host memory: nothing to order on a stream), and what describes the
     collective rather than the copies is its own handle's answer (its errors included: Gloo's ``sourceRank()`` of a
     send, ``getDuration()``; torch's test_send_recv_any_source asks ``_source_rank()`` of an irecv from any
-    source). Subclasses set ``_works``, ``_tensors`` and :meth:`wait`."""
+    source). ``wait()`` writes the results, and a Ctrl-C during it is raised once they are written, as after
+    torch's wait() (``_interrupts``). Subclasses set ``_works``, ``_tensors`` and :meth:`_wait`."""
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        with _interrupts.held():
+            return self._wait(timeout)
+
+    def _wait(self, timeout: datetime.timedelta) -> bool:
+        raise NotImplementedError
 
     def _described_by(self):
         """The handle that describes the collective: its first."""
@@ -603,15 +611,11 @@ class StagedWork(_StagedHandle):
             self._token = expect_writes(tensors if writes_to is None else writes_to, lambda: _wait_if_alive(handle))
             weakref.finalize(self, written, self._token)
 
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+    def _wait(self, timeout: datetime.timedelta) -> bool:
         if self._error is not None:
             raise self._error
         if self._finished and self._waited == len(self._works):
             return True
-        with _interrupts.held():  # a Ctrl-C is raised once the results are written, as after torch's wait()
-            return self._wait(timeout)
-
-    def _wait(self, timeout: datetime.timedelta) -> bool:
         with self._wait_lock:  # (after a future's callback finished the call: each work waited once all the same,
             # so that its own handle has completed, as torch's does after wait(), before result() asks it)
             while self._waited < len(self._works):
@@ -748,11 +752,10 @@ class BackgroundWork(_StagedHandle):
         token = expect_writes(writes_to, completion.exception)  # (waits, raises nothing)
         completion.add_done_callback(lambda _: written(token))
 
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        with _interrupts.held():  # a Ctrl-C is raised once the results are written, as after torch's wait()
-            if timeout and not concurrent.futures.wait([self._completion], timeout.total_seconds()).done:
-                raise RuntimeError(f"offload_shim: a staged asynchronous call did not complete within {timeout}")
-            self._completion.result()
+    def _wait(self, timeout: datetime.timedelta) -> bool:
+        if timeout and not concurrent.futures.wait([self._completion], timeout.total_seconds()).done:
+            raise RuntimeError(f"offload_shim: a staged asynchronous call did not complete within {timeout}")
+        self._completion.result()
         return True
 
     def _described_by(self):
