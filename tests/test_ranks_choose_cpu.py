@@ -366,7 +366,7 @@ def check_ctrl_c_inside_the_wait_of_a_chunked_call():
                 signal.pthread_kill(main, signal.SIGINT)
                 store.set("sigint sent", "1")
 
-            threading.Timer(0.5, interrupt).start()
+            threading.Timer(2.0, interrupt).start()  # (ample for the main thread to be inside wait() by then)
         try:
             work.wait()
         except KeyboardInterrupt:
