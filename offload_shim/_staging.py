@@ -19,7 +19,9 @@ import concurrent.futures
 import contextlib
 import datetime
 import itertools
+import logging
 import os
+import queue
 import threading
 import weakref
 from typing import Callable
@@ -28,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from offload_shim import _fork, _interrupts
+
+_log = logging.getLogger("offload_shim")
 
 
 class _CallDepth(threading.local):
@@ -487,10 +491,99 @@ class StagedArguments:
         return result
 
 
-def _wait_if_alive(handle: weakref.ref) -> None:
-    work = handle()
-    if work is not None:
-        work.wait()
+class _Completion:
+    """What is left of an asynchronous call staged whole once it is issued: wait for each of its collectives' works
+    (once each: a Gloo receive's ``wait()`` blocks if called again), then write the results into the caller's
+    tensors (``finish``), once. Shared by its handle (:class:`StagedWork`), a later staged call on the same memory
+    (:func:`finish_writes_to`), a future's callback and, once the caller drops the handle unwaited, the writer
+    thread: whichever comes first finishes the call."""
+
+    def __init__(self, works, finish: Callable[[], None], error=None):
+        self.works, self.finish, self.error = works, finish, error
+        self.finished = False
+        self.waited = 0  # how many of the works have been waited
+        self.token = None  # of expect_writes
+        self.wait_lock = threading.Lock()  # held while waiting works; never by a future's callback
+        self.finish_lock = threading.Lock()  # held while writing the results
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        if self.error is not None:
+            raise self.error
+        if self.finished and self.waited == len(self.works):
+            return True
+        with self.wait_lock:  # (after a future's callback finished the call: each work waited once all the same,
+            # so that its own handle has completed, as torch's does after wait(), before result() asks it)
+            while self.waited < len(self.works):
+                if self.error is not None:  # (failed in another thread's wait)
+                    raise self.error
+                work = self.works[self.waited]
+                try:
+                    work.wait(timeout) if timeout else work.wait()
+                except Exception as error:
+                    if not timeout:  # a timeout ends this wait only; the collective goes on, as with torch's
+                        self.fail(error)
+                    raise
+                self.waited += 1
+        return self.settle()
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        written(self.token)
+
+    def settle(self) -> bool:
+        """Once, after every work completed: write the results."""
+        with self.finish_lock:
+            if self.error is not None:
+                raise self.error
+            if not self.finished:
+                try:
+                    self.finish()
+                except Exception as error:
+                    self.fail(error)
+                    raise
+                written(self.token)
+                self.finished = True
+        return True
+
+
+# Calls whose handles were dropped unwaited, finished by one writer thread (started with the first handle, never
+# from a finalizer). A SimpleQueue: its put() may run in a weakref callback, at any point of any thread.
+_unwaited = globals().get("_unwaited") or queue.SimpleQueue()
+_writer: list = globals().get("_writer", [])  # [the writer thread], once started; kept across reload
+_writer_lock = globals().get("_writer_lock") or threading.Lock()
+
+
+def _dropped(call: _Completion) -> None:
+    if not call.finished and call.error is None:
+        _unwaited.put(call)
+
+
+def _start_writer() -> None:
+    with _writer_lock:
+        if not _writer:
+            thread = threading.Thread(target=_write_unwaited, name="offload_shim_unwaited", daemon=True)
+            thread.start()  # (a daemon: a call its peers never join would keep the process from exiting)
+            _writer.append(thread)
+
+
+def _write_unwaited() -> None:
+    """The writer thread: finish each dropped handle's call in turn, as torch's backends finish a call whose handle
+    nobody waits for. A failed call writes nothing; its error reaches no caller, as with torch's dropped handle."""
+    while True:
+        call = _unwaited.get()
+        try:
+            call.wait()
+        except Exception as error:  # noqa: BLE001
+            _log.debug("offload_shim: a call whose handle was dropped unwaited failed: %r", error)
+        del call
+
+
+@_fork.after_fork
+def _forget_writer() -> None:
+    """In a forked child: the parent's writer thread is not there, and the parent's calls are not the child's."""
+    global _unwaited, _writer_lock
+    _unwaited, _writer_lock = queue.SimpleQueue(), threading.Lock()
+    _writer.clear()
 
 
 def counterparts(results, pairs) -> list:
@@ -575,9 +668,9 @@ class StagedWork(_StagedHandle):
 
     Until the call is finished, the caller's tensors it writes hold what they held before the call: results are
     written into them by ``wait()``, ``synchronize()``, ``result()``, ``is_completed()`` once it returns ``True``,
-    the future of ``get_future()``, or a later staged call on the same memory (which finishes this one first). If
-    the collective failed, those raise torch's own exception (``is_completed()`` returns ``True``, as torch's does)
-    and nothing is written.
+    the future of ``get_future()``, or a later staged call on the same memory (which finishes this one first); a
+    handle dropped unwaited, by a writer thread once the collective completes. If the collective failed, those
+    raise torch's own exception (``is_completed()`` returns ``True``, as torch's does) and nothing is written.
 
     Args:
         works: the work handles of the collective(s) run on the staged tensor (one per chunk).
@@ -596,63 +689,24 @@ class StagedWork(_StagedHandle):
         super().__init__()
         self._works = works
         self._pairs = pairs
-        self._finish = finish
         self._tensors = tensors
         self._done = done
-        self._error = error
-        self._finished = False
-        self._waited = 0  # how many of the works have been waited: a Gloo receive's wait() blocks if called again
-        self._wait_lock = threading.Lock()  # held while waiting works; never by a future's callback
-        self._finish_lock = threading.Lock()  # held while writing the results
-        self._token = None
+        self._call = call = _Completion(works, finish, error)
         if error is None:
-            # Weakly: a handle the caller drops unwaited never writes (as documented) and holds nothing.
-            handle = weakref.ref(self)
-            self._token = expect_writes(tensors if writes_to is None else writes_to, lambda: _wait_if_alive(handle))
-            weakref.finalize(self, written, self._token)
+            call.token = expect_writes(tensors if writes_to is None else writes_to, call.wait)
+            if not _writer:
+                _start_writer()
+            # Dropped unwaited, the call is finished by the writer thread, as torch's backends finish theirs.
+            weakref.finalize(self, _dropped, call).atexit = False
 
     def _wait(self, timeout: datetime.timedelta) -> bool:
-        if self._error is not None:
-            raise self._error
-        if self._finished and self._waited == len(self._works):
-            return True
-        with self._wait_lock:  # (after a future's callback finished the call: each work waited once all the same,
-            # so that its own handle has completed, as torch's does after wait(), before result() asks it)
-            while self._waited < len(self._works):
-                work = self._works[self._waited]
-                try:
-                    work.wait(timeout) if timeout else work.wait()
-                except Exception as error:
-                    if not timeout:  # a timeout ends this wait only; the collective goes on, as with torch's
-                        self._fail(error)
-                    raise
-                self._waited += 1
-        return self._settle()
-
-    def _fail(self, error: Exception) -> None:
-        self._error = error
-        written(self._token)
-
-    def _settle(self) -> bool:
-        """Once, after every work completed: write the results."""
-        with self._finish_lock:
-            if self._error is not None:
-                raise self._error
-            if not self._finished:
-                try:
-                    self._finish()
-                except Exception as error:
-                    self._fail(error)
-                    raise
-                written(self._token)
-                self._finished = True
-        return True
+        return self._call.wait(timeout)
 
     def _counterparts(self, results) -> list[torch.Tensor]:
         return list(self._tensors) if self._pairs is None else counterparts(results, self._pairs)
 
     def is_completed(self) -> bool:
-        if self._finished or self._error is not None:
+        if self._call.finished or self._call.error is not None:
             return True
         if not all(work.is_completed() for work in self._works):
             return False
@@ -665,11 +719,11 @@ class StagedWork(_StagedHandle):
         return True
 
     def is_success(self) -> bool:
-        return self._error is None and all(work.is_success() for work in self._works)
+        return self._call.error is None and all(work.is_success() for work in self._works)
 
     def exception(self):
-        if self._error is not None:
-            return self._error
+        if self._call.error is not None:
+            return self._call.error
         for work in self._works:
             try:
                 error = work.exception()
@@ -691,7 +745,7 @@ class StagedWork(_StagedHandle):
             failed = next((code for code in codes if code != int(results.SUCCESS)), None)
             if failed is None:
                 try:
-                    self._settle()
+                    self._call.settle()
                 except Exception:  # the results could not be written
                     failed = int(results.COMM_ERROR)
             done.set_result(int(results.SUCCESS) if failed is None else failed)
@@ -712,9 +766,9 @@ class StagedWork(_StagedHandle):
                     try:
                         values.append(each.value())  # the collective's error, as torch raised it
                     except Exception as error:
-                        self._fail(error)
+                        self._call.fail(error)
                         raise
-                self._settle()
+                self._call.settle()
                 answer = self._counterparts(values[self._works.index(self._described_by())]) if values else list(
                     self._tensors)
             except Exception as error:
@@ -722,7 +776,7 @@ class StagedWork(_StagedHandle):
             else:
                 done.set_result(answer)
 
-        if self._error is not None or not self._works:
+        if self._call.error is not None or not self._works:
             finished(torch.futures.collect_all([]))
         else:
             torch.futures.collect_all([work.get_future() for work in self._works]).add_done_callback(finished)

@@ -126,6 +126,31 @@ def test_outstanding_calls_on_one_tensor(gloo_ranks, numel, wait_order):
     gloo_ranks.run(check_outstanding_calls_on_one_tensor, numel, wait_order)
 
 
+def check_dropped_handle_still_writes(numel):
+    """An asynchronous call whose handle is dropped unwaited writes its result once it completes, as torch's own
+    backends write a dropped handle's call: in the background (polled here), and before a later staged call on the
+    same memory reads it. Staged whole (3 elements) or pipelined (40)."""
+    tensor = rank_input((numel,), torch.float32, seed=6)
+    expected = _reference(tensor, dist.all_reduce)
+    with staging_through_cpu(chunk_bytes=CHUNK):
+        dist.all_reduce(tensor, async_op=True)  # the handle dropped at once
+        deadline = time.monotonic() + 60
+        while not same_bits(tensor, expected) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert same_bits(tensor, expected)
+    other = rank_input((numel,), torch.float32, seed=7)
+    expected = _reference(other, dist.all_reduce, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+    with staging_through_cpu(chunk_bytes=CHUNK):
+        dist.all_reduce(other, async_op=True)
+        dist.all_reduce(other, op=dist.ReduceOp.MAX)  # reads the dropped call's result
+    assert same_bits(other, expected)
+
+
+@pytest.mark.parametrize("numel", [3, 40])
+def test_dropped_handle_still_writes(gloo_ranks, numel):
+    gloo_ranks.run(check_dropped_handle_still_writes, numel)
+
+
 def check_async_error_surfaces_where_torch_raises_it(numel):
     """A collective that fails (a peer that never joins, on a group with a short timeout): torch raises in
     ``wait()``, ``is_completed()`` returns True, the future carries torch's exception. Staged, the same, with the
@@ -578,6 +603,23 @@ def check_failed_handle_stays_with_its_handle():
 
 def test_failed_handle_stays_with_its_handle(fault_ranks):
     assert fault_ranks.run(check_failed_handle_stays_with_its_handle) == [[1.0, 2.0, 2.0, 1.0]] * 2
+
+
+def check_failed_dropped_handle():
+    """A failed async call whose handle rank 0 dropped unwaited (its peer never joins) writes nothing and raises
+    nowhere: a later call on overlapping memory runs normally."""
+    group = _group_that_times_out()
+    tensor = torch.ones(4)
+    with staging_through_cpu():
+        if dist.get_rank() == 0:
+            dist.all_reduce(tensor, group=group, async_op=True)
+            time.sleep(2)
+        dist.all_reduce(tensor[1:3])
+    return tensor.tolist()
+
+
+def test_failed_dropped_handle(fault_ranks):
+    assert fault_ranks.run(check_failed_dropped_handle) == [[1.0, 2.0, 2.0, 1.0]] * 2
 
 
 def check_batch_with_user_patched_p2p(before_install):

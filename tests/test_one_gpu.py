@@ -203,6 +203,36 @@ def test_async_on_a_stream_ordered_backend_one_rank(nccl_rank, pinned, graphs):
     nccl_rank.run(check_async_on_a_stream_ordered_backend, pinned, graphs)
 
 
+def check_dropped_handle_writes_on_a_stream_ordered_backend(pinned):
+    """On NCCL: an asynchronous call whose handle is dropped unwaited still writes its exact result, staged whole
+    (3 elements) or pipelined (several chunks), as NCCL writes a dropped handle's call: in the background (polled),
+    and before a later staged call on the same memory reads it. Pre-multiplied sums, so that one rank's result
+    differs from its input (exact: small integers times 3 and 2)."""
+    group = _fresh_group()
+    world = dist.get_world_size()
+    offload_shim.install()
+    with configured(chunk_bytes=1 << 16):
+        dist.all_reduce(torch.ones(1), group=group)  # the group's agreement
+        for numel in (3, 3 * (1 << 14) + 5):
+            tensor = torch.arange(numel, dtype=torch.float32) + 1
+            tensor = tensor.pin_memory() if pinned else tensor
+            expected = tensor * 3.0 * world
+            dist.all_reduce(tensor, op=dist._make_nccl_premul_sum(3.0), group=group, async_op=True)  # dropped at once
+            deadline = time.monotonic() + 60
+            while not same_bits(tensor, expected) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert same_bits(tensor, expected), f"{numel}: {_difference(tensor, expected)}"
+            expected = tensor * 6.0 * world * world
+            dist.all_reduce(tensor, op=dist._make_nccl_premul_sum(3.0), group=group, async_op=True)
+            dist.all_reduce(tensor, op=dist._make_nccl_premul_sum(2.0), group=group)  # reads the dropped call's
+            assert same_bits(tensor, expected), f"{numel}: {_difference(tensor, expected)}"
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_dropped_handle_writes_one_rank(nccl_rank, pinned):
+    nccl_rank.run(check_dropped_handle_writes_on_a_stream_ordered_backend, pinned)
+
+
 def test_two_threads_on_two_groups_in_opposite_orders_one_gpu(shared_gpu_ranks):
     """Two threads of each rank pipeline pageable tensors on two groups in opposite orders, through the GPU: the
     copy lanes' copies wait on real events there, which wait on the group's peers; the lanes of one group never

@@ -237,6 +237,35 @@ def test_a_forked_child_runs_each_reset_once_across_reloads():
     )
 
 
+def test_a_forked_child_finishes_its_own_dropped_handles():
+    """A child forked after the parent's writer of dropped handles started makes its own (the parent's thread is not
+    in the child): a handle the child drops unwaited still writes. Unchecked, the child's call was never finished."""
+    python(
+        """
+        import os, time
+        from offload_shim import _staging
+        class Done:  # a collective's work that has completed
+            def wait(self, timeout=None):
+                return True
+        written = []
+        _staging.StagedWork([Done()], lambda: written.append("parent"), [])  # starts the writer; dropped
+        deadline = time.monotonic() + 30
+        while not written and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert written == ["parent"], written
+        pid = os.fork()
+        if pid == 0:
+            _staging.StagedWork([Done()], lambda: written.append("child"), [])  # dropped at once
+            deadline = time.monotonic() + 30
+            while len(written) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os._exit(0 if written == ["parent", "child"] else 1)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        assert status == 0, status
+        """
+    )
+
+
 def test_uninstall_leaves_a_wrapper_someone_put_around_warnings_warn():
     """A library that wraps ``warnings.warn`` after the shim (``functools.wraps`` copies the shim's name and module)
     keeps its wrapper at ``uninstall()``; the shim's function inside it then warns as ``warnings.warn`` does."""
