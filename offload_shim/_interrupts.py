@@ -11,7 +11,8 @@ runs: ``KeyboardInterrupt`` is raised there, as after torch's call. A handler th
 another signal's handler) is kept; another thread's calls, and a SIGINT that Python does not handle (``SIG_IGN``,
 ``SIG_DFL``), are left as they are. Both steps together cost 0.7 us on the 2-core CPU machine (0.3 us of it the two
 system calls). An asynchronous call is held until it returns its handle, and the handle's ``wait()``, which writes
-the results, until they are written."""
+the results, until they are written. A replayed small call (``_replay``) holds nothing back on its way: a
+``KeyboardInterrupt`` raised after its launch is caught, and the replay finished under a hold before it is raised."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _counters, _staging
+from offload_shim import _config, _counters, _interrupts, _staging
 
 MAX_BYTES = 64 << 10  # larger calls take the slot path: copy time, not launches, is what they cost
 MAX_CAPTURES = 64  # per process; later keys take the slot path
@@ -269,25 +269,43 @@ def replay(capture: _Capture, tensor: torch.Tensor, address: int | None = None) 
     caller = capture.caller_bytes
     if capture.reads:
         capture.into[:] = caller
-    _graph_replay(capture.graph)
-    raw = _raw_stream(capture.index)
-    if raw == capture.raw:
-        stream = capture.stream
-    else:  # (another current stream than at its last replay)
-        stream, capture.raw = _current_stream(capture.index), raw
-        capture.stream = stream
-    if not capture.writes:
-        capture.done.record(stream)
-        capture.pending = True
-        return
-    try:
-        if not _query(stream):
-            _wait(_query, stream, capture.group)
-    except BaseException:
-        capture.done.record(stream)  # the next call waits for this replay before reusing the buffers
-        capture.pending = True
+    try:  # (a KeyboardInterrupt raised in this block comes after the launch: CPython runs handlers after a call)
+        _graph_replay(capture.graph)
+        raw = _raw_stream(capture.index)
+        if raw == capture.raw:
+            stream = capture.stream
+        else:  # (another current stream than at its last replay)
+            stream, capture.raw = _current_stream(capture.index), raw
+            capture.stream = stream
+        if not capture.writes:
+            capture.done.record(stream)
+            capture.pending = True
+            return
+        try:
+            if not _query(stream):
+                _wait(_query, stream, capture.group)
+        except BaseException:
+            capture.done.record(stream)  # the next call waits for this replay before reusing the buffers
+            capture.pending = True
+            raise
+        caller[:] = capture.out_of
+    except KeyboardInterrupt:
+        _finish_interrupted(capture)
         raise
-    caller[:] = capture.out_of
+
+
+def _finish_interrupted(capture: _Capture) -> None:
+    """After a Ctrl-C during a replay: finish it (wait for it, copy its result into the caller's tensor), holding
+    further Ctrl-Cs back, so that the ``KeyboardInterrupt`` comes with the result written, as after torch's one C++
+    call (``_interrupts``). The replay's path holds nothing back itself: that would cost it two system calls."""
+    with _interrupts.held():
+        stream = _current_stream(capture.index)
+        capture.done.record(stream)  # (the next call of the key waits for it: recorded after the replay)
+        capture.pending = True
+        if capture.writes:
+            if not _query(stream):
+                _wait(_query, stream, capture.group)
+            capture.caller_bytes[:] = capture.out_of
 
 
 def bytes_at(address: int, nbytes: int) -> memoryview:

@@ -462,6 +462,46 @@ def check_small_calls_replayed():
     dist.destroy_process_group(slow)
 
 
+def check_ctrl_c_during_a_replay():
+    """A Ctrl-C while a replayed all_reduce waits for its graph (queued behind a 2 s GPU sleep): the
+    ``KeyboardInterrupt`` comes once the caller's tensor holds the result, as after torch's one C++ call. The tensor
+    is overwritten after its bytes went in, so only the replay's copy back restores the result; the key replays
+    again after."""
+    import signal
+    import threading
+
+    offload_shim.install()
+    group = _fresh_group()
+    tensor = torch.tensor([3.0])
+    for _ in range(2):  # staged, then captured
+        dist.all_reduce(tensor, group=group)
+    offload_shim.reset_staging_counters()
+    main = threading.main_thread().ident
+
+    def interrupt():
+        tensor.fill_(9.0)  # (the replay copied 3.0 in already; its result, 3.0, is to be written back)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    torch.cuda._sleep(int(4e9))  # clock cycles: 2 s at 2 GHz
+    timer = threading.Timer(0.5, interrupt)
+    timer.start()
+    interrupted = None
+    try:
+        dist.all_reduce(tensor, group=group)
+        time.sleep(5)  # (if the call returned first, the interrupt lands here, after the 9.0)
+    except KeyboardInterrupt:
+        interrupted = tensor.item()
+    timer.join()
+    assert interrupted == 3.0 and _modes("all_reduce") == {"replayed": 1}, (interrupted, _modes("all_reduce"))
+    dist.all_reduce(tensor, group=group)
+    assert tensor.item() == 3.0 and _modes("all_reduce") == {"replayed": 2}, _modes("all_reduce")
+    dist.destroy_process_group(group)
+
+
+def test_ctrl_c_during_a_replay(nccl_rank):
+    nccl_rank.run(check_ctrl_c_during_a_replay)
+
+
 def _check_replay_decided_again(device):
     import logging
 
