@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from typing import Callable
 
@@ -498,8 +499,8 @@ class _Completion:
     (:func:`finish_writes_to`), a future's callback and, once the caller drops the handle unwaited, the writer
     thread: whichever comes first finishes the call."""
 
-    def __init__(self, works, finish: Callable[[], None], error=None):
-        self.works, self.finish, self.error = works, finish, error
+    def __init__(self, works, finish: Callable[[], None], done=None, error=None):
+        self.works, self.finish, self.done, self.error = works, finish, done, error
         self.finished = False
         self.waited = 0  # how many of the works have been waited
         self.token = None  # of expect_writes
@@ -526,6 +527,13 @@ class _Completion:
                 self.waited += 1
         return self.settle()
 
+    def completed(self) -> bool:
+        """Whether :meth:`wait` would return at once: the call finished, failed, or its works all completed."""
+        if self.finished or self.error is not None:
+            return True
+        return all(work.is_completed() for work in self.works[self.waited :]) and (
+            self.done is None or self.done.query())
+
     def fail(self, error: Exception) -> None:
         self.error = error
         written(self.token)
@@ -551,6 +559,7 @@ class _Completion:
 _unwaited = globals().get("_unwaited") or queue.SimpleQueue()
 _writer: list = globals().get("_writer", [])  # [the writer thread], once started; kept across reload
 _writer_lock = globals().get("_writer_lock") or threading.Lock()
+POLL_SECONDS = (1e-4, 1e-2)  # the writer's pause between polls of outstanding calls: first, and at most (doubling)
 
 
 def _dropped(call: _Completion) -> None:
@@ -567,15 +576,31 @@ def _start_writer() -> None:
 
 
 def _write_unwaited() -> None:
-    """The writer thread: finish each dropped handle's call in turn, as torch's backends finish a call whose handle
-    nobody waits for. A failed call writes nothing; its error reaches no caller, as with torch's dropped handle."""
+    """The writer thread: finish each dropped handle's call once its collectives have completed, as torch's backends
+    write a call whose handle nobody waits for. It polls the calls' work handles and never waits in one: a call whose
+    peers are late holds up no other (of its group or another), and the process exits with calls outstanding as it
+    would without the shim. A failed call writes nothing; its error reaches no caller, as with torch's dropped
+    handle."""
+    outstanding: list[_Completion] = []
+    pause = POLL_SECONDS[0]
     while True:
-        call = _unwaited.get()
-        try:
-            call.wait()
-        except Exception as error:  # noqa: BLE001
-            _log.debug("offload_shim: a call whose handle was dropped unwaited failed: %r", error)
-        del call
+        if not outstanding:
+            outstanding.append(_unwaited.get())
+        while not _unwaited.empty():
+            outstanding.append(_unwaited.get())
+        waiting = []
+        for call in outstanding:
+            if not call.completed():
+                waiting.append(call)
+                continue
+            try:
+                call.wait()  # (returns at once: every work completed)
+            except Exception as error:  # noqa: BLE001
+                _log.debug("offload_shim: a call whose handle was dropped unwaited failed: %r", error)
+        pause = POLL_SECONDS[0] if len(waiting) < len(outstanding) else min(2 * pause, POLL_SECONDS[1])
+        outstanding = waiting
+        if outstanding:
+            time.sleep(pause)
 
 
 @_fork.after_fork
@@ -691,7 +716,7 @@ class StagedWork(_StagedHandle):
         self._pairs = pairs
         self._tensors = tensors
         self._done = done
-        self._call = call = _Completion(works, finish, error)
+        self._call = call = _Completion(works, finish, done, error)
         if error is None:
             call.token = expect_writes(tensors if writes_to is None else writes_to, call.wait)
             if not _writer:

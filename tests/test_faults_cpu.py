@@ -151,6 +151,45 @@ def test_dropped_handle_still_writes(gloo_ranks, numel):
     gloo_ranks.run(check_dropped_handle_still_writes, numel)
 
 
+def check_dropped_call_waits_for_none_other():
+    """Rank 0 drops two calls: one on a group whose peer joins it only once rank 0 has seen the result of the second,
+    dropped on another group and joined at once. The second is written all the same (as by torch: each call is
+    written when it completes), and then the first. Unchecked, the second waited behind the first: rank 0 never saw
+    it, and the ranks stood still until the first group's timeout."""
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    late, prompt = (dist.new_group(timeout=datetime.timedelta(seconds=60)) for _ in range(2))
+    first, second = torch.full((4,), float(rank + 1)), torch.full((4,), float(rank + 1))
+    seen = None
+    with staging_through_cpu():
+        for group in (late, prompt):
+            dist.all_reduce(torch.ones(1), group=group)  # (each group's settings compared: not part of this case)
+        if rank == 0:
+            dist.all_reduce(first, group=late, async_op=True)  # both handles dropped at once
+            dist.all_reduce(second, group=prompt, async_op=True)
+            deadline = time.monotonic() + 20
+            while second[0].item() != 3.0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen = second.tolist()
+            store.set("second seen", "1")
+            deadline = time.monotonic() + 60
+            while first[0].item() != 3.0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            dist.all_reduce(second, group=prompt)
+            store.wait(["second seen"])
+            dist.all_reduce(first, group=late)
+        dist.barrier()
+    if rank == 0:
+        store.delete_key("second seen")
+    return seen, first.tolist(), second.tolist()
+
+
+def test_dropped_call_waits_for_none_other(gloo_ranks):
+    assert gloo_ranks.run(check_dropped_call_waits_for_none_other) == [
+        ([3.0] * 4, [3.0] * 4, [3.0] * 4), (None, [3.0] * 4, [3.0] * 4)]
+
+
 def check_async_error_surfaces_where_torch_raises_it(numel):
     """A collective that fails (a peer that never joins, on a group with a short timeout): torch raises in
     ``wait()``, ``is_completed()`` returns True, the future carries torch's exception. Staged, the same, with the
@@ -510,6 +549,36 @@ def test_destroying_the_default_group_frees_the_buffers(tmp_path):
     assert done.returncode == 0, done.stderr
     before, after = map(int, done.stdout.split())
     assert before > 0 and after == 0, done.stdout
+
+
+EXIT_WITH_A_DROPPED_CALL = """
+import sys, time
+import torch, torch.distributed as dist
+import offload_shim
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+offload_shim.install()
+offload_shim.configure(staging_device="cpu", always_stage=True)
+dist.all_reduce(torch.ones(1))  # (the settings compared)
+if rank == 0:
+    dist.all_reduce(torch.ones(4), async_op=True)  # dropped; rank 1 never joins it
+time.sleep(1)
+print("leaving", flush=True)  # (without destroy_process_group(), as many programs end)
+"""
+
+
+def test_exit_with_a_dropped_call_outstanding(tmp_path):
+    """A rank that exits with a dropped call outstanding (its peer never joined) exits as it would without the shim:
+    normally. Unchecked, the thread finishing dropped calls was inside the collective's C++ ``wait()`` at exit, and
+    the process aborted ("terminate called without an active exception", status 134)."""
+    import subprocess
+    import sys
+
+    ranks = [subprocess.Popen([sys.executable, "-c", EXIT_WITH_A_DROPPED_CALL, str(tmp_path / "store"), str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    done = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in done]
+    assert [out for out, _ in done] == ["leaving\n"] * 2, done
 
 
 def test_buffers_outlive_no_group(fault_ranks):

@@ -247,6 +247,8 @@ def test_a_forked_child_finishes_its_own_dropped_handles():
         class Done:  # a collective's work that has completed
             def wait(self, timeout=None):
                 return True
+            def is_completed(self):
+                return True
         written = []
         _staging.StagedWork([Done()], lambda: written.append("parent"), [])  # starts the writer; dropped
         deadline = time.monotonic() + 30
