@@ -50,3 +50,13 @@ def test_cold_cache_probe_reports_each_case_and_size(tmp_path):
                and isinstance(f["floor_beyond_pass_through_us"], float)
                and isinstance(f["made_here_beyond_pass_through_us"], float) for f in figures), figures
     assert result.stdout.count("beyond a pass-through") == 4
+
+
+def test_host_decision_probe_reports_each_side():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "probe_served_host_decision.py"), "--blocks", "2", "--calls", "50"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ns beyond the floor" in result.stdout and "'floor': 0.0" in result.stdout, result.stdout
+    assert "'shim':" in result.stdout and "'pass_through':" in result.stdout, result.stdout
