@@ -72,6 +72,10 @@ def run(plan: Plan, caller):
     """
     call = plan.call
     mode = plan.mode
+    broken = _groups.out_of_step(call.group)
+    if broken is not None:
+        raise StagingError(f"offload_shim: process group {group_label(call.group)} is out of step since {broken}: "
+                           f"its ranks' collectives no longer pair alike. Destroy it and make another.")
     _interrupts.hold()  # a Ctrl-C from here (or from the ranks' agreement) is raised once the call is done
     try:
         refused = _refusals(plan)
@@ -496,8 +500,11 @@ _AGREEMENT_OPTIONS = _c10d.AllreduceOptions()
 _AGREEMENT_OPTIONS.reduceOp = dist.ReduceOp.MAX
 
 
-def _check_agreement(group, values: list[int], chunks: Chunks, collective: str) -> None:
-    """Raise :class:`StagingError` where the ranks' agreement tensor says they would split the call differently."""
+def _check_agreement(group, values: list[int], chunks: Chunks, collective: str, issued: bool = False) -> None:
+    """Raise :class:`StagingError` where the ranks' agreement tensor says they would split the call differently.
+    ``issued``: every rank issued its chunks before the check (an asynchronous call, which does not wait for its
+    peers), so mismatched collectives went out and the group's later collectives may pair with the wrong ones: the
+    group is marked out of step (:func:`_groups.mark_out_of_step`) and its captured small calls dropped."""
     high, low = values[:4], [-v for v in values[4:]]
     if high == low:
         return
@@ -510,9 +517,18 @@ def _check_agreement(group, values: list[int], chunks: Chunks, collective: str) 
         what.append(f"dtypes (this rank: {chunks.dtype})")
     if high[3] != low[3]:
         what.append(f"chunk sizes from {low[3]} to {high[3]} bytes (this rank: {chunks.step})")
+    label, differences = group_label(group), "; ".join(what)
+    if not issued:
+        raise StagingError(f"offload_shim: the ranks of process group {label} disagree on this staged {collective}: "
+                           f"{differences}. No rank ran its chunks; the caller's tensors are unchanged.")
+    _groups.mark_out_of_step(group, f"a staged asynchronous {collective} whose ranks disagreed ({differences})")
+    _replay.forget(group)  # (a replay would pass the mark by)
     raise StagingError(
-        f"offload_shim: the ranks of process group {group_label(group)} disagree on this staged {collective}: "
-        f"{'; '.join(what)}. No rank ran its chunks; the caller's tensors are unchanged."
+        f"offload_shim: the ranks of process group {label} disagree on this staged asynchronous {collective}: "
+        f"{differences}. Each rank issued its chunks before this check (an asynchronous call does not wait for its "
+        f"peers): collectives of different sizes or numbers went out, and the group's later collectives may pair "
+        f"with the wrong ones, so every later staged call on it raises StagingError; destroy it and make another "
+        f"(collectives the shim does not stage are not stopped). The caller's tensors are unchanged."
     )
 
 
@@ -782,7 +798,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
                 works[0].wait()
                 agreed.copy_(agreement, non_blocking=True)
                 d2h.record_event().synchronize()
-                _check_agreement(group, agreed.tolist(), chunks, call.entry.label)
+                _check_agreement(group, agreed.tolist(), chunks, call.entry.label, issued=True)
                 if writes:
                     for index, slot in enumerate(slots):
                         back(index, slot)
@@ -813,7 +829,7 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
             with d2h:  # the agreement's result read on the stream that waited for it
                 works[0].wait()
                 values = agreement.tolist()
-            _check_agreement(group, values, chunks, call.entry.label)
+            _check_agreement(group, values, chunks, call.entry.label, issued=True)
             pending = None  # (event, pairs) of the previous chunk's copy out of its bounce buffer
             for index, slot in enumerate(slots):
                 with d2h:

@@ -63,6 +63,7 @@ class _State:
         self.lock = threading.Lock()
         self.agreement = _Agreement()
         self.lanes: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+        self.out_of_step: str | None = None  # why the group's collectives no longer pair alike on every rank
 
 
 _states: weakref.WeakKeyDictionary = globals().get("_states", weakref.WeakKeyDictionary())
@@ -141,6 +142,21 @@ def state_of(group: dist.ProcessGroup) -> _State:
             if state is None:
                 state = _states[group] = _State()
     return state
+
+
+def out_of_step(group) -> str | None:
+    """Why ``group``'s collectives may no longer pair alike on every rank (:func:`mark_out_of_step`), or ``None``."""
+    try:
+        state = _states.get(group)
+    except TypeError:  # (not a group)
+        return None
+    return None if state is None else state.out_of_step
+
+
+def mark_out_of_step(group: dist.ProcessGroup, why: str) -> None:
+    """Record that ``group``'s ranks issued different numbers of collectives: every later staged call on it is
+    refused, until the group is destroyed (:func:`forget`)."""
+    state_of(group).out_of_step = why
 
 
 def _fingerprint(settings, unable: str | None, can_route: bool) -> tuple:

@@ -495,6 +495,46 @@ def test_ranks_disagree(fault_ranks, what, message):
     assert all("StagingError" in e and "disagree" in e and message in e for e in errors), errors
 
 
+def check_async_ranks_disagree(numels):
+    """An asynchronous pipelined call whose ranks give different sizes: each rank issued its chunks before the
+    ranks' check (it does not wait for its peers), so where their numbers of chunks differ the group is out of step.
+    Every rank raises StagingError in wait(), its tensor unchanged, and every later staged call on the group raises
+    before sending anything; a group made after it works. Unchecked, the message said no rank ran its chunks, and
+    the next all_reduce on the group paired with the longer rank's leftover chunk: 102.0 where torch gives 3.0."""
+    rank = dist.get_rank()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=60))
+    tensor = torch.full((numels[rank],), 100.0 if rank == 0 else 2.0)
+    original = tensor.clone()
+    errors = []
+    with staging_through_cpu(chunk_bytes=CHUNK):
+        dist.all_reduce(torch.ones(1), group=group)  # (the settings compared: not part of this case)
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        try:
+            work.wait()
+        except StagingError as error:
+            errors.append(str(error))
+        assert same_bits(tensor, original)
+        after = torch.full((4,), float(rank + 1))
+        try:
+            dist.all_reduce(after, group=group)
+        except StagingError as error:
+            errors.append(str(error))
+        assert after.tolist() == [float(rank + 1)] * 4  # nothing written
+        dist.destroy_process_group(group)
+        fresh = dist.new_group()
+        dist.all_reduce(after, group=fresh)
+    return errors, after.tolist()
+
+
+def test_async_ranks_disagree(fault_ranks):
+    """64 against 32 floats in 4-float chunks: 16 chunks against 8."""
+    for errors, after in fault_ranks.run(check_async_ranks_disagree, (64, 32)):
+        assert len(errors) == 2, errors
+        assert "disagree on this staged asynchronous" in errors[0] and "sizes from 128 to 256 bytes" in errors[0], errors
+        assert "destroy it" in errors[0] and "out of step since" in errors[1], errors
+        assert after == [3.0] * 4  # on the fresh group
+
+
 # ---------------------------------------------------------------- staging buffers and process group lifetimes
 
 
