@@ -154,8 +154,8 @@ def out_of_step(group) -> str | None:
 
 
 def mark_out_of_step(group: dist.ProcessGroup, why: str) -> None:
-    """Record that ``group``'s ranks issued different numbers of collectives: every later staged call on it is
-    refused, until the group is destroyed (:func:`forget`)."""
+    """Record that ``group``'s ranks issued collectives that did not match (``why``): every later staged call on it
+    is refused, until the group is destroyed (:func:`forget`)."""
     state_of(group).out_of_step = why
 
 

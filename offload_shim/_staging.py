@@ -590,12 +590,12 @@ def _write_unwaited() -> None:
             outstanding.append(_unwaited.get())
         waiting = []
         for call in outstanding:
-            if not call.completed():
-                waiting.append(call)
-                continue
             try:
+                if not call.completed():
+                    waiting.append(call)
+                    continue
                 call.wait()  # (returns at once: every work completed)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001 - the thread goes on for the other calls
                 _log.debug("offload_shim: a call whose handle was dropped unwaited failed: %r", error)
         pause = POLL_SECONDS[0] if len(waiting) < len(outstanding) else min(2 * pause, POLL_SECONDS[1])
         outstanding = waiting

@@ -151,6 +151,32 @@ def test_dropped_handle_still_writes(gloo_ranks, numel):
     gloo_ranks.run(check_dropped_handle_still_writes, numel)
 
 
+def test_dropped_handles_written_past_a_broken_one():
+    """A dropped handle whose work cannot say whether it completed (its ``is_completed()`` raises) is given up, and
+    the calls dropped after it are still written: the writer thread goes on."""
+    from offload_shim import _staging
+
+    class Broken:
+        def is_completed(self):
+            raise RuntimeError("no answer")
+
+    class Done:
+        def is_completed(self):
+            return True
+
+        def wait(self, timeout=None):
+            return True
+
+    written = []
+    _staging.StagedWork([Broken()], lambda: written.append("broken"), [])  # dropped at once
+    _staging.StagedWork([Done()], lambda: written.append("done"), [])
+    deadline = time.monotonic() + 30
+    while not written and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert written == ["done"], written
+    assert all(thread.is_alive() for thread in _staging._writer)
+
+
 def check_dropped_call_waits_for_none_other():
     """Rank 0 drops two calls: one on a group whose peer joins it only once rank 0 has seen the result of the second,
     dropped on another group and joined at once. The second is written all the same (as by torch: each call is
