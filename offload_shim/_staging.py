@@ -715,7 +715,6 @@ class StagedWork(_StagedHandle):
         self._works = works
         self._pairs = pairs
         self._tensors = tensors
-        self._done = done
         self._call = call = _Completion(works, finish, done, error)
         if error is None:
             call.token = expect_writes(tensors if writes_to is None else writes_to, call.wait)
@@ -733,9 +732,7 @@ class StagedWork(_StagedHandle):
     def is_completed(self) -> bool:
         if self._call.finished or self._call.error is not None:
             return True
-        if not all(work.is_completed() for work in self._works):
-            return False
-        if self._done is not None and not self._done.query():
+        if not self._call.completed():
             return False
         try:
             self.wait()
