@@ -75,6 +75,8 @@ import threading
 
 import torch
 
+from offload_shim import _fork
+
 ENV_ENABLE = "OFFLOAD_SHIM"
 ENV_STAGING_DEVICE = "OFFLOAD_SHIM_STAGING_DEVICE"
 ENV_ALWAYS_STAGE = "OFFLOAD_SHIM_ALWAYS_STAGE"
@@ -229,6 +231,15 @@ def settings_from_environment(environ=os.environ) -> Settings:
 
 
 _lock = globals().get("_lock") or threading.Lock()
+
+
+@_fork.after_fork
+def _new_lock_after_fork() -> None:
+    """A child forked while another thread was inside :func:`configure` would wait for the lock forever."""
+    global _lock
+    _lock = threading.Lock()
+
+
 _settings = globals().get("_settings") or Settings()  # kept across importlib.reload of this module
 _forgetting: list = globals().get("_forgetting", [])  # (on_change)
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 from torch.utils.weak import WeakIdKeyDictionary
 
-from offload_shim import _counters, _devices, _groups, _interrupts, _registration, _replay, _staging
+from offload_shim import _counters, _devices, _fork, _groups, _interrupts, _registration, _replay, _staging
 from offload_shim._devices import StagingError, group_label
 from offload_shim._plan import C10D, Chunks, Plan
 from offload_shim._table import AFTER_THE_WIRE, AUTOGRAD, BOTH, ELEMENTWISE, NONE, READ, WRITE, overlapping
@@ -490,6 +490,13 @@ def _agreement(chunks: Chunks, device) -> torch.Tensor:
 
 
 _agreements: dict = {}  # (device, *code) -> constant agreement tensor
+
+
+@_fork.after_fork
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's agreement constants are on its accelerator (kept, never freed: ``_fork``)."""
+    _fork.keep(dict(_agreements))
+    _agreements.clear()
 
 
 def _launch_agreement(group, tensor: torch.Tensor):

@@ -433,10 +433,11 @@ def release() -> None:
 @_fork.after_fork
 def _forget_after_fork() -> None:
     """In a forked child: the parent's lane threads are not there (their executors would never run a copy), and its
-    agreements, answers and pools were the parent's; a lock a parent's thread held at the fork would never be
-    released in the child."""
+    agreements, answers and pools were the parent's (kept, never freed: ``_fork``); a lock a parent's thread held
+    at the fork would never be released in the child."""
     global _states_lock, _answers_lock, _pools_lock
     _states_lock, _answers_lock, _pools_lock = threading.Lock(), threading.Lock(), threading.Lock()
+    _fork.keep(list(_states.values()), dict(host_answers), dict(_idle), list(_busy))
     _states.clear()
     host_answers.clear()
     _idle.clear()

@@ -310,7 +310,8 @@ def _forget_the_parents() -> None:
     """In a child made by ``fork()``: the tables describe the parent's registrations; the child forgets them."""
     global _lock
     _lock = threading.Lock()  # (another thread of the parent may have held it at the fork)
-    _registered.clear()  # (the storages let go: the child's copies of their memory are its own to free)
+    _fork.keep(dict(_registered), list(_pending))  # (the parent's storages, registered in its context: never freed)
+    _registered.clear()
     _pending.clear()
     _registering.clear()
     _seen.clear()

@@ -47,7 +47,7 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _counters, _interrupts, _staging
+from offload_shim import _config, _counters, _fork, _interrupts, _staging
 
 MAX_BYTES = 64 << 10  # larger calls take the slot path: copy time, not launches, is what they cost
 MAX_CAPTURES = 64  # per process; later keys take the slot path
@@ -429,6 +429,17 @@ def _retire(dropped) -> None:  # under _lock
         if capture.stream is not None:
             _retired.append((capture.stream.record_event(), capture))
     _retired[:] = [(event, capture) for event, capture in _retired if not event.query()]
+
+
+@_fork.after_fork
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's captures (graphs, pinned buffers, events) are not the child's to replay, nor
+    to free (kept: ``_fork``); a lock a parent's thread held at the fork would never be released in the child."""
+    global _lock
+    _lock = threading.Lock()
+    _fork.keep(dict(_captures), dict(_by_identity), list(_retired), dict(_streams), dict(_nccl_groups))
+    for table in (_captures, _seen, _by_identity, _retired, _streams, _nccl_groups):
+        table.clear()
 
 
 def captures() -> int:

@@ -172,8 +172,13 @@ def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
 
 @_fork.after_fork
 def _forget_copy_pool() -> None:
-    """In a forked child: the parent's copy threads are not there, so its executor would never run a copy."""
+    """In a forked child: the parent's copy threads are not there, so its executor would never run a copy; and the
+    parent's small-call slots and outstanding writes are not the child's (kept, never freed: ``_fork``)."""
+    global _slots
+    _fork.keep(list(_copy_pool), _slots, dict(_pending))
     _copy_pool.clear()
+    _slots = _ThreadSlots()
+    _pending.clear()
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -501,6 +506,7 @@ class _Completion:
 
     def __init__(self, works, finish: Callable[[], None], done=None, error=None):
         self.works, self.finish, self.done, self.error = works, finish, done, error
+        self.process = os.getpid()  # (a forked child never finishes its parent's calls)
         self.finished = False
         self.waited = 0  # how many of the works have been waited
         self.token = None  # of expect_writes
@@ -563,7 +569,9 @@ POLL_SECONDS = (1e-4, 1e-2)  # the writer's pause between polls of outstanding c
 
 
 def _dropped(call: _Completion) -> None:
-    if not call.finished and call.error is None:
+    if call.process != os.getpid():  # a parent's call, dropped in a forked child: never finished there
+        _fork.keep(call)
+    elif not call.finished and call.error is None:
         _unwaited.put(call)
 
 
@@ -605,8 +613,10 @@ def _write_unwaited() -> None:
 
 @_fork.after_fork
 def _forget_writer() -> None:
-    """In a forked child: the parent's writer thread is not there, and the parent's calls are not the child's."""
+    """In a forked child: the parent's writer thread is not there, and the parent's calls are not the child's (kept,
+    never freed: ``_fork``; a parent's handle the child drops is kept too, by :func:`_dropped`)."""
     global _unwaited, _writer_lock
+    _fork.keep(_unwaited, list(_writer))
     _unwaited, _writer_lock = queue.SimpleQueue(), threading.Lock()
     _writer.clear()
 

@@ -37,6 +37,7 @@ from bitwise import same_bits
 from conftest import accelerator_rank_pool
 from observe import configured, counting_calls, rss_bytes
 from ranks import RankPool
+from test_fork_cpu import run_fork_script
 from test_torch_semantics_cpu import COMPILED, opposite_orders
 
 pytestmark = [
@@ -832,3 +833,20 @@ def test_nccl_writes_what_gloo_refuses(nccl_rank):
     for chunk_bytes in (1 << 20, 4):
         assert answers["leaf", chunk_bytes] == answers["inference", chunk_bytes] == [0.0, 1.0, 2.0, 3.0], answers
         assert answers["result", chunk_bytes] == (True, (4,)), answers
+
+
+# ---------------------------------------------------------------- fork() after staged calls
+
+
+@pytest.mark.parametrize("world_size, backend", [(1, "nccl"), (2, "cuda:gloo")])
+def test_children_forked_after_staged_calls_live(world_size, backend):
+    """After staged calls of every mode (small and replayed on NCCL, whole, pipelined, asynchronous, pageable
+    storages registered at their reuse, a registered communicator), pinned and pageable, each rank forks: bare
+    children exit 0 (one forked while an asynchronous staged call is outstanding, one that stages on a group of its
+    own from empty counters), and a fork DataLoader with two workers, not persistent, gives two epochs
+    (tests/fork_after_staging.py). Unchecked, the children died of the parent's pinned buffers freed at the fork
+    (``c10::AcceleratorError``, status 6)."""
+    result = run_fork_script(world_size, "--backend", backend)
+    assert "pipelined" in result.stdout and " 0 bytes registered" not in result.stdout, result.stdout
+    if backend == "nccl":
+        assert "replayed" in result.stdout, result.stdout
