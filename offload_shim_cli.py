@@ -261,7 +261,7 @@ def _environment_rows(problems: list, notes: list) -> list:
     import wrapt
 
     import offload_shim
-    from offload_shim import _config, _counters, _devices, _registration
+    from offload_shim import _config, _devices
 
     accelerator = torch.accelerator.current_accelerator()
     available = torch.accelerator.is_available()
@@ -323,8 +323,6 @@ def _environment_rows(problems: list, notes: list) -> list:
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
         source = "default" if value == getattr(defaults, field.name) else "set"
-        if field.name == "register_bytes" and value is None:  # the budget the host gives this rank
-            source += f": {_counters.format_bytes(_registration.budget())}, {_registration.BUDGET}"
         rows.append((f"  {field.name}", f"{value} ({source})"))
     notes += _config.inert_settings(settings, available)
     problems += _config.unknown_variables()

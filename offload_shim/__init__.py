@@ -38,7 +38,7 @@ def _require(name: str, how: str) -> None:
 _require("torch", "pip install torch (https://pytorch.org/get-started/locally/ gives the command for your accelerator)")
 _require("wrapt", "pip install wrapt")
 
-from offload_shim import _counters, _groups, _kernels, _patching, _replay, _warning_location
+from offload_shim import _counters, _groups, _kernels, _patching, _registration, _replay, _warning_location
 from offload_shim._communicators import register_communicator
 from offload_shim._config import ConfigError, Settings, configure, settings
 from offload_shim._counters import reset_staging_counters, staging_counters
@@ -101,11 +101,14 @@ def install() -> None:
 
 def uninstall() -> None:
     """Remove the wrappers: the exact original objects are bound again under every name where a wrapper was
-    (modules imported while the shim was installed included). Removing twice changes nothing."""
+    (modules imported while the shim was installed included), and the caller's storages that staging registered
+    (``register_bytes``) are unregistered, once the copies queued on them have run. Removing twice changes
+    nothing."""
     with _patching._lock:
         _patching.uninstall()
         _kernels.uninstall()
         _warning_location.uninstall()
+    _registration.unregister_all()  # (the caller's storages pageable again, as before the shim)
 
 
 def is_installed() -> bool:

@@ -38,15 +38,16 @@ Every environment variable offload_shim reads is named here, once.
     graph at its second call with the same group, shape, dtype and arguments, and replayed from then on
     (``offload_shim._replay``). False: every such call is staged through a slot.
 ``OFFLOAD_SHIM_REGISTER_BYTES`` (:data:`ENV_REGISTER_BYTES`)
-    The most bytes of pageable host memory that staging may register with the accelerator (page-lock in place,
-    ``cudaHostRegister``) at once, as a size (``0``, ``4GiB``). A pageable storage staged by a pipelined call for
-    the second time is registered if it fits, the least recently staged ones making room (a storage unregistered
-    for room is registered again only into free room), and stays registered until room is needed or no tensor uses
-    it any more (its memory is then kept until the next pipelined call unregisters it: never freed while
-    registered); its later calls copy at pinned memory's speed. While registered, a storage is pinned memory to
-    everyone: ``is_pinned()`` is true, and the process's own ``non_blocking=True`` copies into or out of it no
-    longer wait for the copy, as for any pinned tensor. Unset or empty: half of the host's memory (``MemTotal``, or
-    the cgroup's ``memory.max`` if lower) divided by the node's ranks (``LOCAL_WORLD_SIZE``); ``0``: never.
+    Opt-in: the most bytes of the caller's own pageable host memory that staging may register with the accelerator
+    (page-lock in place, ``cudaHostRegister``) at once, as a size (``4GiB``). A pageable storage staged by a
+    pipelined call for the second time is registered if it fits, the least recently staged ones making room (a
+    storage unregistered for room is registered again only into free room), and stays registered until room is
+    needed, no tensor uses it any more (its memory is then kept until the next pipelined call unregisters it: never
+    freed while registered), or ``uninstall()``; its later calls copy at pinned memory's speed. While registered,
+    the caller's storage is pinned memory to everyone: ``is_pinned()`` is true, ``Tensor.pin_memory()`` returns the
+    tensor itself instead of a copy, and the process's own ``non_blocking=True`` copies into or out of it no longer
+    wait for the copy (a read right after one may see the old values). Unset, empty or ``0``: never (the
+    default: the shim changes no tensor of the caller's).
 
 ``OFFLOAD_SHIM_LOG`` (:data:`ENV_LOG`)
     ``warning``, ``info`` or ``debug`` (any case): offload_shim's log records (logger ``offload_shim``) go to
@@ -120,8 +121,8 @@ class Settings:
         host_staging: stage accelerator tensors that a group's backends do not serve for a collective through
             the host.
         graphs: replay small synchronous in-place calls on NCCL groups from captured CUDA graphs.
-        register_bytes: the most bytes of pageable host memory registered with the accelerator at once (0: none;
-            ``None``: the default budget, ``_registration.budget()``).
+        register_bytes: the most bytes of the caller's pageable host memory registered with the accelerator at
+            once (0, the default: none; see ``OFFLOAD_SHIM_REGISTER_BYTES`` for what registration changes).
     """
 
     staging_device: torch.device | None = None
@@ -131,7 +132,7 @@ class Settings:
     summary_at_exit: bool = False
     host_staging: bool = True
     graphs: bool = True
-    register_bytes: int | None = None
+    register_bytes: int = 0
 
 
 def parse_flag(name: str, environ=os.environ) -> bool | None:
@@ -172,10 +173,7 @@ _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$", re.ASCII)  # (digits 0-9
 _UNIT = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
-def _parse_bytes(value, source: str, allow_off: bool = False, allow_zero: bool = False,
-                 allow_default: bool = False) -> int | None:
-    if allow_default and value is None:
-        return None
+def _parse_bytes(value, source: str, allow_off: bool = False, allow_zero: bool = False) -> int | None:
     if allow_off and (value is None or (isinstance(value, str) and value.strip().lower() == "off")):
         return None
     if isinstance(value, int) and not isinstance(value, bool):
@@ -225,8 +223,8 @@ def settings_from_environment(environ=os.environ) -> Settings:
         summary_at_exit=bool(parse_flag(ENV_SUMMARY, environ)),
         host_staging=parse_flag(ENV_HOST_STAGING, environ) is not False,
         graphs=parse_flag(ENV_GRAPHS, environ) is not False,
-        register_bytes=_parse_bytes(given(ENV_REGISTER_BYTES), ENV_REGISTER_BYTES, allow_zero=True,
-                                    allow_default=True),
+        register_bytes=0 if given(ENV_REGISTER_BYTES) is None else _parse_bytes(
+            given(ENV_REGISTER_BYTES), ENV_REGISTER_BYTES, allow_zero=True),
     )
 
 
@@ -260,8 +258,8 @@ def configure(**changes) -> Settings:
         summary_at_exit (bool): print the table of staged calls at exit, on rank 0.
         host_staging (bool): stage accelerator tensors a group does not serve for a collective through the host.
         graphs (bool): replay small synchronous in-place calls on NCCL groups from captured CUDA graphs.
-        register_bytes (int | str | None): the most pageable host memory registered with the accelerator, e.g.
-            ``"4GiB"``; ``0``: none; ``None``: the default budget (see ``OFFLOAD_SHIM_REGISTER_BYTES``).
+        register_bytes (int | str): the most of the caller's pageable host memory registered with the accelerator,
+            e.g. ``"4GiB"``; ``0``: none, the default (see ``OFFLOAD_SHIM_REGISTER_BYTES``).
 
     Returns:
         The settings that were in force before, so that ``configure(**dataclasses.asdict(old))`` restores them.
@@ -278,8 +276,7 @@ def configure(**changes) -> Settings:
     if "chunk_bytes" in changes:
         changes["chunk_bytes"] = _parse_bytes(changes["chunk_bytes"], "chunk_bytes")
     if "register_bytes" in changes:
-        changes["register_bytes"] = _parse_bytes(changes["register_bytes"], "register_bytes", allow_zero=True,
-                                                 allow_default=True)
+        changes["register_bytes"] = _parse_bytes(changes["register_bytes"], "register_bytes", allow_zero=True)
     if "route_min_bytes" in changes:
         changes["route_min_bytes"] = _parse_bytes(changes["route_min_bytes"], "route_min_bytes", allow_off=True)
     for name, variable in (

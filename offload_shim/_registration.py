@@ -5,11 +5,13 @@ reused state dict or weight buffer are staged call after call from the same stor
 the accelerator (``cudaHostRegister``, as ``torch.distributed.checkpoint``'s stager does) page-locks it in place, and
 its later calls take the pinned path: DMA straight from and to the caller's memory.
 
-A storage is registered at its second pipelined staging (a storage staged once, as a fresh tensor each step is,
-never is), if it fits under the budget: :func:`budget` by default, half of the host's memory shared by the node's
-ranks. The least recently staged ones are unregistered to make room, and a storage unregistered so is registered
-again only into free room (storages reused in turn beyond the budget would otherwise be registered and unregistered
-at every call); one larger than the budget never is.
+Opt-in (``register_bytes``, 0 by default): registered, the caller's own storage is pinned memory to the whole process
+(``is_pinned()``, ``pin_memory()`` returning the tensor itself, ``non_blocking`` copies that no longer wait), which the
+shim must not change unasked. A storage is registered at its second pipelined staging (a storage staged once, as a
+fresh tensor each step is, never is), if it fits under the budget, ``register_bytes``. The least recently staged ones
+are unregistered to make room, and a storage unregistered so is registered again only into free room (storages
+reused in turn beyond the budget would otherwise be registered and unregistered at every call); one larger than the
+budget never is. ``uninstall()`` unregisters every one (:func:`unregister_all`).
 
 Registered memory must be unregistered before it is freed: the driver keeps a range registered after its memory is
 unmapped, refuses a new mapping there, and may copy the old pages for a tensor the allocator later places at that
@@ -41,7 +43,6 @@ import collections
 import ctypes
 import functools
 import logging
-import os
 import threading
 import weakref
 
@@ -67,67 +68,6 @@ _log = logging.getLogger("offload_shim")
 _logged_failure = False
 
 
-BUDGET = "half of the host's memory (MemTotal, or the cgroup's memory.max where lower) over LOCAL_WORLD_SIZE"
-
-
-def budget(environ=os.environ) -> int:
-    """The default budget of registered memory, in bytes: half of the memory this process's host gives it (the
-    smaller of ``MemTotal`` in ``/proc/meminfo`` and its cgroup's ``memory.max``), divided among the ranks of the
-    node (``LOCAL_WORLD_SIZE``, which torchrun sets; 1 where unset). Registration locks pages the storage already
-    holds, so it takes no memory; the budget bounds how much of it cannot be swapped or reclaimed. The driver's
-    pinning is not counted against ``ulimit -l``. 0 where the host does not say (no ``/proc``)."""
-    sizes = [size for size in (_meminfo_total(), _cgroup_limit()) if size]
-    if not sizes:
-        return 0
-    try:
-        ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE") or 1))
-    except ValueError:
-        ranks = 1
-    return min(sizes) // 2 // ranks
-
-
-@functools.lru_cache(maxsize=None)
-def _meminfo_total() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _cgroup_limit() -> int | None:
-    """This process's cgroup memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), ``None`` if none."""
-    try:
-        with open("/proc/self/cgroup") as cgroups:
-            entries = [line.strip().split(":", 2) for line in cgroups if line.strip()]
-    except OSError:
-        return None
-    for hierarchy, controllers, path in entries:
-        names = ("memory.max",) if hierarchy == "0" else ("memory.limit_in_bytes",) if "memory" in controllers else ()
-        root = "/sys/fs/cgroup" if hierarchy == "0" else "/sys/fs/cgroup/memory"
-        for name in names:
-            # The cgroup's folder, or the mount's root where a container shows its own cgroup there.
-            for folder in (os.path.join(root, path.lstrip("/")), root):
-                try:
-                    with open(os.path.join(folder, name)) as limit:
-                        value = limit.read().strip()
-                except OSError:
-                    continue
-                if value.isdigit() and int(value) < 1 << 60:  # not "max", nor v1's "no limit" (a huge number)
-                    return int(value)
-                break
-    return None
-
-
-def _cap() -> int:
-    cap = _config.settings().register_bytes
-    return budget() if cap is None else cap
-
-
 def registered_bytes() -> int:
     """Bytes of pageable host memory registered now (storages no tensor uses any more included, until the next safe
     point unregisters them)."""
@@ -141,7 +81,7 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
     device, or the storage is not (yet) registered. The call's safe point (:func:`drain`) runs first."""
     if device.type != "cuda":
         return False
-    cap = _cap()
+    cap = _config.settings().register_bytes
     if cap <= 0 and not (_registered or _pending):
         return False  # (registration off: a few reads)
     with _lock:

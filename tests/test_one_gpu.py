@@ -680,19 +680,27 @@ def test_pageable_memory_registered(nccl_rank):
     nccl_rank.run(check_pageable_memory_registered)
 
 
-def check_registration_by_default():
-    """Registration with the default budget: a reused pageable storage is registered at its second call, a fresh
-    one never; host memory flat (VmRSS and registered bytes within 1% after warm-up) over 1,000 calls on fresh
-    storages and over 1,000 on one reused storage; storages reused in turn beyond the budget are not registered and
-    unregistered call after call; unregistering waits for the staging streams' copies, not for the device (a kernel
-    on another stream still runs when it returns)."""
+def check_registration_opt_in():
+    """Registration is opt-in: with the default settings, no user tensor reports ``is_pinned()`` after staged calls,
+    however often its storage is staged. With a budget (``register_bytes``): a reused pageable storage is registered
+    at its second call, a fresh one never; host memory flat (VmRSS and registered bytes within 1% after warm-up)
+    over 1,000 calls on fresh storages and over 1,000 on one reused storage; storages reused in turn beyond the
+    budget are not registered and unregistered call after call; unregistering waits for the staging streams'
+    copies, not for the device (a kernel on another stream still runs when it returns); ``uninstall()`` leaves no
+    storage registered."""
     from offload_shim import _registration
 
     offload_shim.install()
     device = _accelerator()
-    assert offload_shim.configure().register_bytes is None and _registration.budget() > 64 << 20
+    assert offload_shim.configure().register_bytes == 0
     answers = {}
-    with configured(chunk_bytes="1MiB"):
+    with configured(chunk_bytes="1MiB"):  # the default: never
+        tensors = [torch.ones(1 << 19), torch.ones(3 << 18)]  # pageable, 2 and 3 MiB: pipelined
+        for _ in range(4):
+            for tensor in tensors:
+                dist.all_reduce(tensor)
+        answers["by default"] = ([t.is_pinned() for t in tensors], _registration.registered_bytes())
+    with configured(chunk_bytes="1MiB", register_bytes="1GiB"):
         reused = torch.ones(1 << 19)  # 2 MiB: pipelined in 1 MiB chunks
         dist.all_reduce(reused)
         answers["first call registers"] = reused.is_pinned()
@@ -742,11 +750,20 @@ def check_registration_by_default():
         torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
         answers["driver's unregister waits for the device"] = (sleeping.query(), time.perf_counter() - start)
         torch.accelerator.synchronize()
+        kept = torch.ones(1 << 19)
+        for _ in range(2):
+            dist.all_reduce(kept)
+        registered = kept.is_pinned()
+        offload_shim.uninstall()
+        answers["uninstall unregisters"] = (registered, kept.is_pinned(), _registration.registered_bytes())
+        offload_shim.install()
     return answers
 
 
-def test_registration_by_default(nccl_rank):
-    (answers,) = nccl_rank.run(check_registration_by_default)
+def test_registration_opt_in(nccl_rank):
+    (answers,) = nccl_rank.run(check_registration_opt_in)
+    assert answers["by default"] == ([False, False], 0), answers["by default"]
+    assert answers["uninstall unregisters"] == (True, False, 0), answers["uninstall unregisters"]
     assert (answers["first call registers"], answers["second call registers"]) == (False, True), answers
     for case in ("fresh", "reused"):  # the reused storage registered throughout; no fresh one ever
         (rss_before, bytes_before), (rss_after, bytes_after) = answers[case]

@@ -6,6 +6,7 @@ speed and the driver's behaviour are checked on one GPU (``test_one_gpu.py``).""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import gc
 import itertools
 import logging
@@ -17,7 +18,7 @@ import weakref
 import pytest
 import torch
 
-from offload_shim import _groups, _registration
+from offload_shim import _config, _groups, _registration
 
 MIB = 1 << 20
 CUDA = torch.device("cuda")
@@ -69,6 +70,11 @@ class Driver:
         weakref.finalize(storage, lambda: pointer in self.ranges and self.freed_registered.append(pointer))
 
 
+def budget(patch, nbytes: int) -> None:
+    """Registration's budget at ``nbytes`` (``register_bytes``) until ``patch`` (a pytest monkeypatch) undoes it."""
+    patch.setattr(_config, "_settings", dataclasses.replace(_config.settings(), register_bytes=nbytes))
+
+
 def install(recorded: Driver, patch) -> None:
     """Put ``recorded`` in the driver's place, with ``patch`` (a pytest monkeypatch), and the budget at 64 MiB."""
     patch.setattr(torch.cuda, "cudart", lambda: recorded)
@@ -81,7 +87,7 @@ def install(recorded: Driver, patch) -> None:
 
     patch.setattr(torch.cuda, "synchronize", device_wide)
     patch.setattr(torch.accelerator, "synchronize", device_wide)
-    patch.setattr(_registration, "_cap", lambda: 64 * MIB)
+    budget(patch, 64 * MIB)
     _registration._logged_failure = False
 
 
@@ -141,6 +147,32 @@ def test_registered_at_its_second_staging_and_kept_while_used(driver):
     assert driver.calls == [("register", pointer, MIB, False)]
     assert _registration.register_for_staging(tensor, CUDA) and len(driver.calls) == 1
     assert _registration.registered_bytes() == MIB
+
+
+def test_nothing_is_registered_unless_a_budget_is_set(driver, monkeypatch):
+    """With the default settings (``register_bytes`` 0) no storage is ever registered, however often it is staged:
+    the driver is not called, and the caller's tensor stays pageable."""
+    budget(monkeypatch, _config.Settings().register_bytes)
+    tensor = torch.ones(MIB // 4)
+    assert not any(_registration.register_for_staging(tensor, CUDA) for _ in range(5))
+    assert driver.calls == [] and _registration.registered_bytes() == 0
+
+
+def test_uninstall_unregisters_what_staging_registered(driver):
+    """``uninstall()`` unregisters every storage staging registered (after the copy streams' events), the tables
+    empty; ``install()`` registers again only at a storage's next second staging."""
+    import offload_shim
+
+    tensors = [torch.ones(MIB // 4), torch.ones(MIB // 2)]
+    assert all(map(registered, tensors))
+    try:
+        offload_shim.uninstall()
+        assert sorted(driver.unregistered()) == sorted(t.data_ptr() for t in tensors), driver.calls
+        assert _registration.registered_bytes() == 0
+    finally:
+        offload_shim.install()
+    assert not _registration.register_for_staging(tensors[0], CUDA)  # seen again from nothing
+    assert _registration.register_for_staging(tensors[0], CUDA)
 
 
 def test_freed_storage_unregistered_at_the_next_safe_point_not_by_a_finalizer(driver):
@@ -223,7 +255,7 @@ def test_budget_unregisters_the_least_recently_staged(driver, monkeypatch):
     """Registering beyond the budget unregisters the least recently staged storage first (before the new range is
     registered); a storage unregistered for room is registered again only into free room; a lowered budget
     unregisters at the next staging; one larger than the budget never is registered."""
-    monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
+    budget(monkeypatch, 2 * MIB)
     a, b, c = (torch.ones(MIB // 4) for _ in range(3))
     assert registered(a) and registered(b)
     assert registered(a, calls=1)  # a is now the most recently staged
@@ -232,10 +264,10 @@ def test_budget_unregisters_the_least_recently_staged(driver, monkeypatch):
     order = [(call[0], names[call[1]]) for call in driver.calls if call[0] != "event waited"]
     assert order == [("register", "a"), ("register", "b"), ("unregister", "b"), ("register", "c")], order
     assert not registered(b, calls=3)  # evicted once: only into free room
-    monkeypatch.setattr(_registration, "_cap", lambda: 0)
+    budget(monkeypatch, 0)
     assert not _registration.register_for_staging(a, CUDA)
     assert sorted(names[p] for p in driver.unregistered()) == ["a", "b", "c"] and _registration.registered_bytes() == 0
-    monkeypatch.setattr(_registration, "_cap", lambda: MIB // 2)
+    budget(monkeypatch, MIB // 2)
     assert not registered(torch.ones(MIB // 4), calls=3)
 
 
@@ -339,7 +371,7 @@ def test_interruptions_lose_no_registration(driver, monkeypatch):
             raise KeyboardInterrupt
 
     monkeypatch.setattr(_registration, "_evicted", Interrupting())
-    monkeypatch.setattr(_registration, "_cap", lambda: MIB)
+    budget(monkeypatch, MIB)
     with pytest.raises(KeyboardInterrupt):
         _registration.register_for_staging(kept[1], CUDA)
     del kept
@@ -352,14 +384,14 @@ def test_concurrent_registrations_keep_the_budget_and_do_not_race(driver, monkey
     """A registration in another thread while one is under way stays within the budget together with it (the one
     under way counts, and cannot be evicted); two threads staging one storage register it once, neither failing nor
     logging."""
-    monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
+    budget(monkeypatch, 2 * MIB)
     tensors = [torch.ones(2 * MIB // 4) for _ in range(2)]  # each fills the budget alone
     for tensor in tensors:
         _registration.register_for_staging(tensor, CUDA)  # (first staging: seen)
 
     assert not while_registering(driver, tensors[0], lambda: _registration.register_for_staging(tensors[1], CUDA))
     assert driver.ranges == {tensors[0].data_ptr(): 2 * MIB} and _registration.registered_bytes() == 2 * MIB
-    monkeypatch.setattr(_registration, "_cap", lambda: 64 * MIB)
+    budget(monkeypatch, 64 * MIB)
     one = torch.ones(MIB // 4)
     _registration.register_for_staging(one, CUDA)
     with caplog.at_level(logging.WARNING, logger="offload_shim"):
@@ -374,7 +406,7 @@ def test_concurrent_registrations_keep_the_budget_and_do_not_race(driver, monkey
 def test_failed_registration_gives_back_the_room_it_took(driver, monkeypatch):
     """A registration that fails after making room leaves the storages it evicted free to come back at their next
     stagings (not held to free room), and the budget is not left idle for long."""
-    monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
+    budget(monkeypatch, 2 * MIB)
     a, b, c = (torch.ones(MIB // 4) for _ in range(3))
     assert registered(a) and registered(b)
     driver.register_error = 1
@@ -387,7 +419,7 @@ def test_failed_registration_gives_back_the_room_it_took(driver, monkeypatch):
 def test_stale_answer_of_a_registration_raced_by_eviction(driver, monkeypatch, caplog):
     """A registration under way is not evicted by another thread's registration (which then waits for room), so
     it is neither undone behind its back nor answered by a second registration of the same memory."""
-    monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
+    budget(monkeypatch, 2 * MIB)
     small, large = torch.ones(MIB // 4), torch.ones(2 * MIB // 4)
     _registration.register_for_staging(small, CUDA)
     _registration.register_for_staging(large, CUDA)
@@ -402,7 +434,7 @@ def test_stale_answer_of_a_registration_raced_by_eviction(driver, monkeypatch, c
 def test_budget_counts_ranges_not_yet_undone(driver, monkeypatch):
     """Ranges taken off the table but not yet unregistered (the driver refused) still count against the budget: no
     new registration into room they hold."""
-    monkeypatch.setattr(_registration, "_cap", lambda: 2 * MIB)
+    budget(monkeypatch, 2 * MIB)
     old = torch.ones(2 * MIB // 4)
     assert registered(old)
     del old
@@ -442,7 +474,7 @@ def test_an_interruption_at_any_line_loses_no_registration(monkeypatch):
             other = torch.ones(MIB // 4)
             driver.watch(other.untyped_storage())
             _registration.register_for_staging(other, CUDA)
-            monkeypatch.setattr(_registration, "_cap", lambda: MIB)
+            budget(patch, MIB)  # (the loop's patch, undone with the loop's install)
             return [tensor, other], lambda: _registration.register_for_staging(other, CUDA)
         if name == "unregister_all":
             return [tensor], _registration.unregister_all
@@ -483,7 +515,7 @@ def test_an_interruption_at_any_line_loses_no_registration(monkeypatch):
                 tracked = set(_registration._registered) | {p for p, _, _ in _registration._pending}
                 assert set(recorded.ranges) <= tracked, (name, interrupted, recorded.ranges, tracked)
                 keep.clear()
-                patch.setattr(_registration, "_cap", lambda: 64 * MIB)
+                budget(patch, 64 * MIB)
                 _registration.drain()
                 _registration.unregister_all()
                 assert recorded.freed_registered == [] and recorded.ranges == {}, (name, interrupted)

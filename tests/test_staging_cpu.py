@@ -829,27 +829,19 @@ def test_replay_reads_torchs_coalescing_state(gloo_ranks):
         assert seen and values == [3.0] * 3 and same, (seen, values, same)
 
 
-def test_registration_budget_by_default():
-    """Registration is on by default: unset or empty, the budget is half of the host's memory (the cgroup's limit
-    where lower) shared by the node's ranks; ``0`` turns it off; a size sets it."""
-    import os
-
+def test_registration_is_opt_in():
+    """Registration is off unless asked for: unset, empty or ``0``, no budget; a size sets it; ``None`` is no
+    size."""
     import offload_shim
-    from offload_shim import _config, _registration
+    from offload_shim import _config
 
     variable = "OFFLOAD_SHIM_REGISTER_BYTES"
-    for raw, expected in ((None, None), ("", None), ("0", 0), ("4GiB", 4 << 30)):
+    for raw, expected in ((None, 0), ("", 0), ("0", 0), ("4GiB", 4 << 30)):
         environ = {} if raw is None else {variable: raw}
         assert _config.settings_from_environment(environ).register_bytes == expected, raw
-    with configured(register_bytes="1MiB"):
-        assert offload_shim.configure(register_bytes=None).register_bytes == 1 << 20
-        assert offload_shim.settings().register_bytes is None
-    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # MemTotal, read another way
-    alone = _registration.budget({})
-    limit = _registration._cgroup_limit()
-    assert alone == (host if limit is None else min(host, limit)) // 2 > 0
-    assert _registration.budget({"LOCAL_WORLD_SIZE": "4"}) == alone // 4
-    assert _registration.budget({"LOCAL_WORLD_SIZE": "not a number"}) == alone
+    assert offload_shim.settings().register_bytes == 0
+    with pytest.raises(offload_shim.ConfigError, match="register_bytes=None is not a size"):
+        offload_shim.configure(register_bytes=None)
 
 
 def check_served_answers_follow_configure():
