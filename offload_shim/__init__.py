@@ -38,7 +38,7 @@ def _require(name: str, how: str) -> None:
 _require("torch", "pip install torch (https://pytorch.org/get-started/locally/ gives the command for your accelerator)")
 _require("wrapt", "pip install wrapt")
 
-from offload_shim import _counters, _groups, _kernels, _patching, _registration, _replay, _warning_location
+from offload_shim import _counters, _groups, _kernels, _patching, _registration, _replay
 from offload_shim._communicators import register_communicator
 from offload_shim._config import ConfigError, Settings, configure, settings
 from offload_shim._counters import reset_staging_counters, staging_counters
@@ -92,7 +92,6 @@ def install() -> None:
         _replay.prune()  # captures of groups destroyed while the shim was not installed
         _groups.prune()  # and their served-path answers
         _kernels.install()
-        _warning_location.install()
     _counters.register_summary_at_exit()
     logging.getLogger("offload_shim").info(
         "offload_shim %s: installed (torch %s, settings %s)", __version__, torch.__version__, settings()
@@ -107,7 +106,6 @@ def uninstall() -> None:
     with _patching._lock:
         _patching.uninstall()
         _kernels.uninstall()
-        _warning_location.uninstall()
     _registration.unregister_all()  # (the caller's storages pageable again, as before the shim)
 
 

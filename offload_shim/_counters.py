@@ -36,8 +36,9 @@ from time import perf_counter
 from typing import Mapping, NamedTuple
 
 import torch
+import wrapt
 
-from offload_shim import _config, _fork, _staging, _warning_location
+from offload_shim import _config, _fork, _staging
 
 # Routes: what took a call off torch's own path.
 STAGED = "staged"  # the group has no backend for the tensor's device (a CPU tensor on a NCCL-only group); or a
@@ -89,7 +90,7 @@ class _Decision(threading.local):
 
 _decision = globals().get("_decision") or _Decision()
 
-_SHIM_FILES = _warning_location._SHIM_FILES  # offload_shim's and wrapt's
+_SHIM_FILES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__package__], wrapt))
 _TORCH_FILES = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 

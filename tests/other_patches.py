@@ -5,7 +5,7 @@ Every order of: install, a user's wrapper put on ``torch.distributed.all_reduce`
 ``torch.distributed.distributed_c10d.all_reduce``, uninstall, install again. After each step, through both
 spellings, one call is staged exactly once while the shim is installed and never otherwise, and each user wrapper
 in the call's path runs exactly once; at the end, after uninstall, each spelling holds torch's own function or the
-user's wrapper, nothing of the shim. Then: a wrapper without ``functools.wraps``; reloads; warnings' locations.
+user's wrapper, nothing of the shim. Then: a wrapper without ``functools.wraps``; reloads.
 Prints one line per part; exits non-zero on the first failure.
 """
 
@@ -15,7 +15,6 @@ import functools
 import importlib
 import itertools
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -113,39 +112,13 @@ def reloads() -> None:
     offload_shim.configure(chunk_bytes=12345)
     importlib.reload(offload_shim)
     assert offload_shim.settings().chunk_bytes == 12345 and offload_shim.is_installed()
-    for name in ("_patching", "_config", "_groups", "_staging", "_warning_location"):
+    for name in ("_patching", "_config", "_groups", "_staging"):
         importlib.reload(sys.modules[f"offload_shim.{name}"])
     assert offload_shim.settings().chunk_bytes == 12345 and offload_shim.is_installed()
     check_calls(True, [], "after reloads")
     offload_shim.uninstall()
     assert dist.all_reduce is TORCH_ALL_REDUCE and c10d.all_reduce is TORCH_ALL_REDUCE
-    assert getattr(warnings.warn, "__module__", None) != "offload_shim._warning_location"
     check_calls(False, [], "after reloads, uninstalled")
-
-
-def warning_locations() -> str:
-    """A warning torch raises at its caller's line inside a wrapped call (torch 2.13's deprecated
-    ``funcol.all_gather_tensor``) points at the same line with the shim, served or staged, as without it."""
-    import torch.distributed._functional_collectives as funcol
-
-    def location():
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            funcol.all_gather_tensor(torch.ones(2), 0, dist.group.WORLD); line = sys._getframe().f_lineno  # noqa: E702
-        return line, [(w.filename, w.lineno) for w in caught if issubclass(w.category, FutureWarning)]
-
-    line, without = location()
-    if not without:
-        return "torch raises no such warning here: not checked"
-    assert without == [(__file__, line)], without
-    offload_shim.install()
-    for staged in (False, True):
-        offload_shim.configure(always_stage=staged)
-        _, located = location()
-        assert located == without, (staged, located, without)
-    offload_shim.configure(always_stage=True)
-    offload_shim.uninstall()
-    return "warnings inside wrapped calls point at the caller"
 
 
 def main() -> None:
@@ -157,7 +130,6 @@ def main() -> None:
     print("a user wrapper without functools.wraps: staged once")
     reloads()
     print("reloads of the package and its stateful modules: settings and wrappers kept")
-    print(warning_locations())
     dist.destroy_process_group()
 
 
