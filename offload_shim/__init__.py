@@ -44,6 +44,7 @@ from offload_shim._config import ConfigError, Settings, configure, settings
 from offload_shim._counters import reset_staging_counters, staging_counters
 from offload_shim._devices import StagingError
 from offload_shim._execute import release_buffers
+from offload_shim._state import state
 
 __all__ = [
     "ConfigError",
@@ -87,7 +88,7 @@ def install() -> None:
         logging.getLogger("offload_shim").info("offload_shim: torch.distributed is unavailable; nothing installed")
         return
     targets = _targets()  # (imported before the lock: a module's post-import hook takes it)
-    with _patching._lock:  # one install or uninstall at a time, whole: never half of each
+    with state.patching_lock:  # one install or uninstall at a time, whole: never half of each
         _patching.install(targets)
         _replay.prune()  # captures of groups destroyed while the shim was not installed
         _groups.prune()  # and their served-path answers
@@ -103,7 +104,7 @@ def uninstall() -> None:
     (modules imported while the shim was installed included), and the caller's storages that staging registered
     (``register_bytes``) are unregistered, once the copies queued on them have run. Removing twice changes
     nothing."""
-    with _patching._lock:
+    with state.patching_lock:
         _patching.uninstall()
         _kernels.uninstall()
     _registration.unregister_all()  # (the caller's storages pageable again, as before the shim)

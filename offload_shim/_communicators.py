@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 import torch
 
 from offload_shim import _config, _counters, _devices, _interrupts, _patching, _staging, _table
+from offload_shim._state import state
 
 _log = logging.getLogger("offload_shim")
 
@@ -46,7 +47,7 @@ class _Spec:
         return value if isinstance(value, torch.device) else torch.device(value)
 
 
-_specs: dict[tuple[str, str | None, str], _Spec] = globals().get("_specs", {})  # kept across reload
+_specs: dict[tuple[str, str | None, str], _Spec] = {}
 
 
 def register_communicator(
@@ -142,7 +143,7 @@ def register_communicator(
         )
     spec = _Spec(label, device, tuple(n for n in known if n in reads or n in writes), frozenset(reads), frozenset(writes))
     key = (module_name, target_owner, method)
-    with _patching._lock:
+    with state.patching_lock:
         new = key not in _specs
         _specs[key] = spec
         if new:

@@ -72,11 +72,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import threading
 
 import torch
 
-from offload_shim import _fork
+from offload_shim._state import state
 
 ENV_ENABLE = "OFFLOAD_SHIM"
 ENV_STAGING_DEVICE = "OFFLOAD_SHIM_STAGING_DEVICE"
@@ -228,18 +227,8 @@ def settings_from_environment(environ=os.environ) -> Settings:
     )
 
 
-_lock = globals().get("_lock") or threading.Lock()
-
-
-@_fork.after_fork
-def _new_lock_after_fork() -> None:
-    """A child forked while another thread was inside :func:`configure` would wait for the lock forever."""
-    global _lock
-    _lock = threading.Lock()
-
-
-_settings = globals().get("_settings") or Settings()  # kept across importlib.reload of this module
-_forgetting: list = globals().get("_forgetting", [])  # (on_change)
+_settings = Settings()
+_forgetting: list = []  # (on_change)
 
 
 def settings() -> Settings:
@@ -294,7 +283,7 @@ def configure(**changes) -> Settings:
 def _replace(make) -> Settings:
     """Put ``make(settings in force)`` in force, and tell the caches of :func:`on_change`; the settings before."""
     global _settings
-    with _lock:
+    with state.config_lock:
         previous = _settings
         _settings = make(previous)
     for forget in _forgetting:

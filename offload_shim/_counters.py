@@ -30,7 +30,6 @@ import atexit
 import logging
 import os
 import sys
-import threading
 import types
 from time import perf_counter
 from typing import Mapping, NamedTuple
@@ -38,7 +37,8 @@ from typing import Mapping, NamedTuple
 import torch
 import wrapt
 
-from offload_shim import _config, _fork, _staging
+from offload_shim import _config, _staging
+from offload_shim._state import state
 
 # Routes: what took a call off torch's own path.
 STAGED = "staged"  # the group has no backend for the tensor's device (a CPU tensor on a NCCL-only group); or a
@@ -74,21 +74,13 @@ class StagingCount(NamedTuple):
     seconds: float
 
 
-_lock = globals().get("_lock") or threading.Lock()  # state kept across importlib.reload
-_table: dict[tuple[str, str, str], list] = globals().get("_table", {})  # [calls, bytes, seconds] by key
-_sites: set[tuple[str, str]] = globals().get("_sites", set())  # (call site, collective) logged
-# (key, bytes per call, [calls, seconds] added to by one thread, [calls, seconds] at the last reset): see tally()
-_tallies: list[tuple] = globals().get("_tallies", [])
-_summary_registered = globals().get("_summary_registered", False)
+# state.counters: [calls, bytes, seconds] by (op, route, mode); state.logged_sites: (call site, collective) logged;
+# state.tallies: (key, bytes per call, [calls, seconds] added to by one thread, [calls, seconds] at the last reset),
+# see tally(); state.thread.decision: this thread's last decision (route, staging device, (call site, why) where the
+# call is to be logged, perf_counter() at the decision).
+_NO_DECISION = (STAGED, None, None, 0.0)
+_summary_registered = False
 _log = logging.getLogger("offload_shim")
-
-
-class _Decision(threading.local):
-    # (route, staging device, (call site, why) where the call is to be logged, perf_counter() at the decision)
-    last = (STAGED, None, None, 0.0)
-
-
-_decision = globals().get("_decision") or _Decision()
 
 _SHIM_FILES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__package__], wrapt))
 _TORCH_FILES = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -102,26 +94,27 @@ def decided(route: str, device, op: str = "", why=None) -> None:
     note = None
     if why is not None:
         site = _call_site()
-        if (site, op) not in _sites:
+        if (site, op) not in state.logged_sites:
             note = (site, why())
-    _decision.last = (route, device, note, perf_counter())
+    state.thread.decision = (route, device, note, perf_counter())
 
 
 def count(op: str, mode: str, nbytes: int) -> None:
     """The staged call this thread last decided (:func:`decided`) returned or raised: count it under ``op``, its
     route and ``mode``, with ``nbytes`` and the seconds since the decision; log it if it is its call site's first."""
     end = perf_counter()
-    route, device, note, start = _decision.last
-    _lock.acquire()  # not `with`: this is on every staged call's path, and the statement costs more
+    route, device, note, start = state.thread.decision or _NO_DECISION
+    lock = state.counters_lock
+    lock.acquire()  # not `with`: this is on every staged call's path, and the statement costs more
     try:
         _add((op, route, mode), nbytes, end - start)
         if note is not None:
-            if (note[0], op) in _sites:  # logged by another thread since the decision
+            if (note[0], op) in state.logged_sites:  # logged by another thread since the decision
                 note = None
             else:
-                _sites.add((note[0], op))
+                state.logged_sites.add((note[0], op))
     finally:
-        _lock.release()
+        lock.release()
     if note is not None:
         site, why = note
         _log.info(
@@ -137,34 +130,22 @@ def tally(op: str, route: str, mode: str, nbytes: int) -> list:
     (``_replay.replayed``, whose capture belongs to one thread; its key's first calls were decided, counted and
     logged); :func:`fold` it when it is dropped."""
     counts = [0, 0.0]
-    with _lock:
-        _tallies.append(((op, route, mode), nbytes, counts, [0, 0.0]))
+    with state.counters_lock:
+        state.tallies.append(((op, route, mode), nbytes, counts, [0, 0.0]))
     return counts
 
 
 def fold(counts: list) -> None:
     """Add the calls of tally ``counts`` (:func:`tally`) not yet reset into the counters, and stop reading it."""
-    with _lock:
-        for at, entry in enumerate(_tallies):
+    with state.counters_lock:
+        for at, entry in enumerate(state.tallies):
             if entry[2] is counts:
-                del _tallies[at]
-                _add_tally(_table, entry, clear=False)
+                del state.tallies[at]
+                _add_tally(state.counters, entry, clear=False)
                 return
 
 
-@_fork.after_fork
-def _start_afresh_after_fork() -> None:
-    """A forked child counts its own calls from nothing, as a process of its own (its parent's stay the parent's),
-    logs its own first calls, and does not wait for a lock another thread of the parent held."""
-    global _lock
-    _lock = threading.Lock()
-    _table.clear()
-    _sites.clear()
-    for entry in _tallies:  # (the forking thread's tallies go on counting: read from now)
-        _add_tally({}, entry, clear=True)
-
-
-def _add_tally(table: dict, entry, clear: bool) -> None:  # under _lock
+def _add_tally(table: dict, entry, clear: bool) -> None:  # under state.counters_lock
     key, nbytes, counts, base = entry
     calls, seconds = counts[0], counts[1]  # (its thread adds to calls first)
     if calls != base[0]:
@@ -178,10 +159,10 @@ def _add_tally(table: dict, entry, clear: bool) -> None:  # under _lock
         base[0], base[1] = calls, seconds
 
 
-def _add(key: tuple[str, str, str], nbytes: int, seconds: float) -> None:  # under _lock
-    entry = _table.get(key)
+def _add(key: tuple[str, str, str], nbytes: int, seconds: float) -> None:  # under state.counters_lock
+    entry = state.counters.get(key)
     if entry is None:
-        entry = _table[key] = [0, 0, 0.0]
+        entry = state.counters[key] = [0, 0, 0.0]
     entry[0] += 1
     entry[1] += nbytes
     entry[2] += seconds
@@ -270,13 +251,13 @@ def reset_staging_counters() -> Mapping[StagingKey, StagingCount]:
 
 def _snapshot(clear: bool) -> Mapping[StagingKey, StagingCount]:
     """The counters as a read-only mapping sorted by key, taken (and, with ``clear``, emptied) under the lock."""
-    with _lock:
-        table = {key: list(value) for key, value in _table.items()}
-        for entry in _tallies:
+    with state.counters_lock:
+        table = {key: list(value) for key, value in state.counters.items()}
+        for entry in state.tallies:
             _add_tally(table, entry, clear)
         items = [(key, tuple(value)) for key, value in sorted(table.items())]
         if clear:
-            _table.clear()
+            state.counters.clear()
     return types.MappingProxyType({StagingKey(*key): StagingCount(*value) for key, value in items})
 
 
@@ -318,7 +299,7 @@ def register_summary_at_exit() -> None:
     """Print the table at exit where the settings ask for it then (``offload_shim.install`` calls this; once per
     process, whatever the number of calls)."""
     global _summary_registered
-    with _lock:
+    with state.counters_lock:
         if _summary_registered:
             return
         _summary_registered = True

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from offload_shim import _config
+from offload_shim._state import state
 
 
 _log = logging.getLogger("offload_shim")
@@ -34,19 +35,14 @@ class StagingError(RuntimeError):
     """
 
 
-_served_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_last_served: tuple = (lambda: None, frozenset())  # (weak reference to the last group asked about, its answer)
-
-
 def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
     """Device types (``"cpu"``, ``"cuda"``, ...) that have a backend registered on ``group``. Cached per group:
     a group's backends are fixed when it is made, and this is on every collective's path (the last group's
     answer first: a loop of calls on one group asks about it alone)."""
-    global _last_served
-    last, served = _last_served
+    last, served = state.last_served
     if last() is group:
         return served
-    served = _served_cache.get(group)
+    served = state.served.get(group)
     if served is None:
         devices = getattr(group, "_device_types", None)
         if devices:
@@ -55,14 +51,11 @@ def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
             capability = dist.Backend.backend_capability
             served = frozenset(t for name in _backend_names(group) for t in capability.get(name, ()))
         try:
-            _served_cache[group] = served
+            state.served[group] = served
         except TypeError:  # a group type without weak references: not cached
             return served
-    _last_served = (weakref.ref(group), served)
+    state.last_served = (weakref.ref(group), served)
     return served
-
-
-_last_host_answer: tuple = (lambda: None, None, False)  # (weak reference to a group, the settings then, the answer)
 
 
 def host_calls_served(group: dist.ProcessGroup) -> bool:
@@ -71,9 +64,8 @@ def host_calls_served(group: dist.ProcessGroup) -> bool:
     group: no other backend to route a host tensor to, none to stage a mixed call's host tensors through), and
     ``always_stage`` is off. The served path's first question about a group: the answer for the last group and
     settings asked is kept, so a call on a Gloo group costs two identity checks more than torch's."""
-    global _last_host_answer
     settings = _config.settings()
-    last, last_settings, answer = _last_host_answer
+    last, last_settings, answer = state.last_host_answer
     if last() is group and last_settings is settings:
         return answer
     cpu = backend_for(group, "cpu")
@@ -81,7 +73,7 @@ def host_calls_served(group: dist.ProcessGroup) -> bool:
         backend_for(group, t) == cpu for t in served_device_types(group)
     )
     try:
-        _last_host_answer = (weakref.ref(group), settings, answer)
+        state.last_host_answer = (weakref.ref(group), settings, answer)
     except TypeError:  # a group type without weak references: not remembered
         pass
     return answer
@@ -116,16 +108,13 @@ def unreadable(group: dist.ProcessGroup) -> bool:
 
 def passed_through(group: dist.ProcessGroup, why: str) -> None:
     """Say once per group, in one log line, that its calls go to torch untouched, never staged, and ``why``."""
-    if group not in _passed_through:
+    if group not in state.passed_through:
         try:
-            _passed_through[group] = True
+            state.passed_through[group] = True
         except TypeError:  # a group type without weak references: said each time
             pass
         _log.warning("offload_shim: process group %s with backend %r: its calls go to torch untouched, never staged: "
                      "%s", group_label(group), backend_description(group), why)
-
-
-_passed_through: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # unreadable groups already logged
 
 
 def group_label(group: dist.ProcessGroup) -> str:
@@ -170,18 +159,15 @@ def resolve_functional_group(group, tag: str = "") -> dist.ProcessGroup | None:
         return None
 
 
-_usable_devices: dict[torch.device, bool] = {}
-
-
 def _usable(device: torch.device) -> bool:
     """Whether this process can stage through accelerator ``device``. Cached: a process's accelerators do not
     change, and asking the runtime costs more than a small staged call's copies."""
-    usable = _usable_devices.get(device)
+    usable = state.usable_devices.get(device)
     if usable is None:
         accelerator = torch.accelerator.current_accelerator()
         usable = accelerator is not None and accelerator.type == device.type and torch.accelerator.is_available()
         usable = usable and (device.index is None or device.index < torch.accelerator.device_count())
-        _usable_devices[device] = usable
+        state.usable_devices[device] = usable
     return usable
 
 
@@ -298,18 +284,17 @@ def sends_to_host(error: RuntimeError) -> bool:
 
 # Device types whose tensors are never staged through the host: the host's own, and ``meta``, which holds no data.
 _NOT_THROUGH_HOST = frozenset({"cpu", "meta"})
-_accelerator_served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {(type, collective): bool}
 
 
 def serves_accelerator(group: dist.ProcessGroup, device_type: str, collective: str) -> bool:
     """Whether ``group`` runs ``collective`` on tensors of accelerator ``device_type`` itself: a backend serves that
     device type, for this collective (:data:`PARTLY_SERVED`). Cached per group: it is asked on every call of an
     accelerator tensor."""
-    answers = _accelerator_served.get(group)
+    answers = state.accelerator_served.get(group)
     if answers is None:
         answers = {}
         try:
-            _accelerator_served[group] = answers
+            state.accelerator_served[group] = answers
         except TypeError:  # a group type without weak references: not cached
             pass
     answer = answers.get((device_type, collective))
@@ -322,16 +307,12 @@ def serves_accelerator(group: dist.ProcessGroup, device_type: str, collective: s
 
 
 # (weak reference to a group, device type, collective, the settings then, the answer)
-_last_accelerator: tuple = (lambda: None, None, None, None, True)
-
-
 def accelerator_call_served(group: dist.ProcessGroup, device_type: str, collective: str) -> bool:
     """Whether a call of ``collective`` on ``group`` with tensors of ``device_type`` (not the host's) goes to torch
     untouched: host staging is off, the group runs it on them, or it serves no CPU either. The served path's question
     for the accelerator's own calls (FSDP2's gathers, a training loop's all_reduce): the last answer is kept."""
-    global _last_accelerator
     settings = _config.settings()
-    last, last_type, last_collective, last_settings, answer = _last_accelerator
+    last, last_type, last_collective, last_settings, answer = state.last_accelerator
     if last() is group and last_type == device_type and last_collective == collective and last_settings is settings:
         return answer
     answer = (
@@ -341,7 +322,7 @@ def accelerator_call_served(group: dist.ProcessGroup, device_type: str, collecti
         or "cpu" not in served_device_types(group)
     )
     try:
-        _last_accelerator = (weakref.ref(group), device_type, collective, settings, answer)
+        state.last_accelerator = (weakref.ref(group), device_type, collective, settings, answer)
     except TypeError:  # a group type without weak references: not remembered
         pass
     return answer

@@ -35,16 +35,15 @@ wire, as a rank that raises in torch does.
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
-from torch.utils.weak import WeakIdKeyDictionary
 
-from offload_shim import _counters, _devices, _fork, _groups, _interrupts, _registration, _replay, _staging
+from offload_shim import _counters, _devices, _groups, _interrupts, _registration, _replay, _staging
 from offload_shim._devices import StagingError, group_label
 from offload_shim._plan import C10D, Chunks, Plan
+from offload_shim._state import state
 from offload_shim._table import AFTER_THE_WIRE, AUTOGRAD, BOTH, ELEMENTWISE, NONE, READ, WRITE, overlapping
 
 _log = logging.getLogger("offload_shim")
@@ -273,7 +272,7 @@ def _pipelined(plan: Plan):
         _log.debug("offload_shim: %s in %d chunks of %d bytes (%s) through %s", entry.label, chunks.count,
                    chunks.step, chunks.kind, device)
     if call.async_op:
-        kept = _flats.get(tensor)
+        kept = state.flats.get(tensor)
         cuts = kept[1] if kept is not None and kept[0] is source else None  # the caller's own bytes, cut before
         return _run_async(plan, source, dest, launch, reads, writes, back_out, cuts)
     _run_sync(plan, source, dest, launch, reads, writes)
@@ -335,15 +334,12 @@ def _flat(tensor: torch.Tensor) -> tuple:
     cuts into chunks (:func:`_all_ins`), kept while ``tensor`` lives and describes the same memory (a tensor reused
     call after call, as training reuses its buffers, is cut once). A tensor given other memory (``.data =``,
     ``set_``) is cut again at its next call; until then the old views keep its old storage."""
-    kept = _flats.get(tensor)
+    kept = state.flats.get(tensor)
     nbytes = tensor.numel() * tensor.element_size()
     if kept is not None and kept[0].numel() == nbytes and kept[0].data_ptr() == tensor.data_ptr():
         return kept
-    kept = _flats[tensor] = (_staging.bits(tensor.data.reshape(-1)).view(torch.uint8), {})
+    kept = state.flats[tensor] = (_staging.bits(tensor.data.reshape(-1)).view(torch.uint8), {})
     return kept
-
-
-_flats = WeakIdKeyDictionary()  # caller's tensor -> (flat bytes, cuts by chunking)
 
 
 _REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "product": "PRODUCT", "min": "MIN", "max": "MAX", "band": "BAND",
@@ -478,25 +474,15 @@ def _agreement(chunks: Chunks, device) -> torch.Tensor:
     a copy, queued on the current stream, of a constant kept per device and code (made once, and complete before
     any stream reads it), so that no call waits for the host or for work queued before it."""
     key = (device, *chunks.code())
-    constant = _agreements.get(key)
+    constant = state.agreements.get(key)
     if constant is None:
         code = key[1:]
-        if len(_agreements) >= 256:  # sizes seen once: keep the table small
-            _agreements.clear()
+        if len(state.agreements) >= 256:  # sizes seen once: keep the table small
+            state.agreements.clear()
         constant = torch.tensor([*code, *(-v for v in code)], dtype=torch.int64, device=device)
         _staging.current_stream(device).synchronize()  # once per code: any stream may read it from now on
-        _agreements[key] = constant
+        state.agreements[key] = constant
     return constant.clone()
-
-
-_agreements: dict = {}  # (device, *code) -> constant agreement tensor
-
-
-@_fork.after_fork
-def _forget_after_fork() -> None:
-    """In a forked child: the parent's agreement constants are on its accelerator (kept, never freed: ``_fork``)."""
-    _fork.keep(dict(_agreements))
-    _agreements.clear()
 
 
 def _launch_agreement(group, tensor: torch.Tensor):
@@ -678,17 +664,14 @@ def _stream_ordered(group, device) -> bool:
     host (Gloo, MPI, UCC) runs them from the host, and its ``wait()`` blocks."""
     if device.type == "cpu":
         return False
-    known = _ordered.get(group)
+    known = state.stream_ordered.get(group)
     if known is None:
-        known = _ordered[group] = {}
+        known = state.stream_ordered[group] = {}
     ordered = known.get(device.type)
     if ordered is None:  # a group's backends are fixed when it is made: read once
         name = _devices.backend_for(group, device.type)
         ordered = known[device.type] = "cpu" not in dist.Backend.backend_capability.get(name or "", ("cpu",))
     return ordered
-
-
-_ordered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {device type: stream-ordered}
 
 
 def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back_out, cuts=None):
@@ -875,7 +858,7 @@ def release_buffers() -> None:
     that a call in another thread is using are freed when it is done with them. The next staged call makes new ones.
     ``torch.distributed.destroy_process_group()`` (of every group) calls this while the shim is installed."""
     _replay.forget()
-    _agreements.clear()
+    state.agreements.clear()
     _registration.unregister_all()
     _staging.release_small_slots()
     _groups.release()

@@ -32,12 +32,12 @@ import dataclasses
 import json
 import threading
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _devices, _fork, _interrupts
+from offload_shim import _config, _devices, _interrupts
+from offload_shim._state import state
 from offload_shim._staging import current_stream, new_stream
 from offload_shim._devices import StagingError
 
@@ -59,6 +59,9 @@ class _Agreement:
 
 
 class _State:
+    """What is kept for one process group (``state.groups``): its agreement, its copy lanes, and whether its ranks'
+    collectives still pair alike."""
+
     def __init__(self):
         self.lock = threading.Lock()
         self.agreement = _Agreement()
@@ -66,64 +69,59 @@ class _State:
         self.out_of_step: str | None = None  # why the group's collectives no longer pair alike on every rank
 
 
-_states: weakref.WeakKeyDictionary = globals().get("_states", weakref.WeakKeyDictionary())
-_states_lock = globals().get("_states_lock") or threading.Lock()
-
-# The served path's answers for host tensors, by process group: the size in bytes below which a host-only chunkable
+# The served path's answers for host tensors, by process group (``state.host_answers``): the size in bytes below which a host-only chunkable
 # call of one tensor on the group goes to torch untouched (``math.inf``: every size, the tensor is not read; 0: none,
 # every call is decided). Found by ``_plan.host_answer`` and ``_plan``'s decisions; dropped with what they were
 # found from: the group's agreement (replaced by :func:`agree`), the group (:func:`forget`, and :func:`prune` for
 # groups torch destroyed without the shim), the settings (every configure()). Every change to it is made under
-# ``_answers_lock``, an answer kept only after its sources are checked, under the lock, to be still in force; the
-# wrappers read it without a lock (one dict lookup).
-host_answers: dict = globals().get("host_answers", {})  # (one dict across importlib.reload: wrappers hold it)
-_answers_lock = globals().get("_answers_lock") or threading.Lock()
+# ``state.answers_lock``, an answer kept only after its sources are checked, under the lock, to be still in force;
+# the wrappers read it without a lock (one dict lookup).
 MAX_ANSWERS = 1024  # groups with answers kept; past it, those torch no longer has are dropped, then all
 
 
 def drop_answers(group: dist.ProcessGroup | None = None) -> None:
     """Drop the served path's answer for ``group`` (for every group: ``None``)."""
-    with _answers_lock:
+    with state.answers_lock:
         if group is None:
-            host_answers.clear()
+            state.host_answers.clear()
         else:
-            host_answers.pop(group, None)
+            state.host_answers.pop(group, None)
 
 
 _config.on_change(drop_answers)  # (configure() puts the new settings in force first)
 
 
 def keep_answer(group: dist.ProcessGroup, settings, below: float, agreement=None) -> None:
-    """Keep ``below`` as the served path's answer for ``group`` (see :data:`host_answers`), found under ``settings``
+    """Keep ``below`` as the served path's answer for ``group`` (``state.host_answers``), found under ``settings``
     and, where it depends on the ranks' agreement, ``agreement``: unless either is no longer in force, or torch no
     longer has the group (destroyed meanwhile)."""
     try:
-        state = None if agreement is None else state_of(group)
-        with _answers_lock:
-            if settings is not _config.settings() or state is not None and state.agreement is not agreement:
+        record = None if agreement is None else state_of(group)
+        with state.answers_lock:
+            if settings is not _config.settings() or record is not None and record.agreement is not agreement:
                 return
             groups = _torch_groups()
             if groups is not None and group not in groups:
                 return
-            if len(host_answers) >= MAX_ANSWERS:
+            if len(state.host_answers) >= MAX_ANSWERS:
                 _prune(groups)
-                if len(host_answers) >= MAX_ANSWERS:
-                    host_answers.clear()
-            host_answers[group] = below
+                if len(state.host_answers) >= MAX_ANSWERS:
+                    state.host_answers.clear()
+            state.host_answers[group] = below
     except TypeError:  # a group that cannot be a key: decided at every call
         pass
 
 
 def prune() -> None:
     """Drop the answers of groups torch no longer has (destroyed while the shim was not installed)."""
-    with _answers_lock:
+    with state.answers_lock:
         _prune(_torch_groups())
 
 
-def _prune(groups) -> None:  # under _answers_lock
+def _prune(groups) -> None:  # under state.answers_lock
     if groups is not None:
-        for group in [group for group in host_answers if group not in groups]:
-            del host_answers[group]
+        for group in [group for group in state.host_answers if group not in groups]:
+            del state.host_answers[group]
 
 
 def _torch_groups():
@@ -135,22 +133,22 @@ def _torch_groups():
 def state_of(group: dist.ProcessGroup) -> _State:
     """What the shim keeps for ``group`` (made at its first use); its ``agreement`` is the ranks' agreement in force
     (replaced, not changed, when the ranks agree again)."""
-    state = _states.get(group)
-    if state is None:
-        with _states_lock:
-            state = _states.get(group)
-            if state is None:
-                state = _states[group] = _State()
-    return state
+    record = state.groups.get(group)
+    if record is None:
+        with state.groups_lock:
+            record = state.groups.get(group)
+            if record is None:
+                record = state.groups[group] = _State()
+    return record
 
 
 def out_of_step(group) -> str | None:
     """Why ``group``'s collectives may no longer pair alike on every rank (:func:`mark_out_of_step`), or ``None``."""
     try:
-        state = _states.get(group)
+        record = state.groups.get(group)
     except TypeError:  # (not a group)
         return None
-    return None if state is None else state.out_of_step
+    return None if record is None else record.out_of_step
 
 
 def mark_out_of_step(group: dist.ProcessGroup, why: str) -> None:
@@ -185,23 +183,23 @@ def agree(group: dist.ProcessGroup, settings, unable: str | None, collective: st
         StagingError: the ranks' settings differ (the same message on every rank), or a rank did not reach its
             agreement within the group's timeout; before anything of the call was sent.
     """
-    state = state_of(group)
-    agreement = state.agreement
+    record = state_of(group)
+    agreement = record.agreement
     if agreement.settings is settings and agreement.mine == _fingerprint(settings, unable, can_route):
         return agreement
-    with state.lock:
+    with record.lock:
         mine = _fingerprint(settings, unable, can_route)
-        agreement = state.agreement
+        agreement = record.agreement
         if agreement.mine != mine:
             generation = agreement.generation + 1
             try:
                 _interrupts.hold()  # from here to the end of the call it is for (_interrupts)
                 agreement = _exchange(group, generation, mine, unable, collective)
             except BaseException:  # every rank raised at this generation: the next agreement takes the next one
-                state.agreement = _Agreement(generation=generation)
+                record.agreement = _Agreement(generation=generation)
                 drop_answers(group)
                 raise
-            state.agreement = agreement
+            record.agreement = agreement
             drop_answers(group)  # found from the agreement replaced
         agreement.settings = settings
     return agreement
@@ -318,11 +316,7 @@ class Pool:
         self.d2h.synchronize()
 
 
-# Idle pools by staging device and kind (:func:`_kind`); kept across importlib.reload of this module.
-_idle: dict[tuple, list[Pool]] = globals().get("_idle", {})
-_busy: list[Pool] = globals().get("_busy", [])
-_pools_lock = globals().get("_pools_lock") or threading.Lock()
-_generation = globals().get("_generation", 0)  # pools of an older generation are freed, not reused (release())
+# state.idle_pools: idle pools by staging device and kind (:func:`_kind`).
 
 
 def pool(device: torch.device, slot_bytes: int, count: int = SLOTS) -> Pool:
@@ -333,20 +327,20 @@ def pool(device: torch.device, slot_bytes: int, count: int = SLOTS) -> Pool:
     Give it back with :func:`give_back` once the call's copies and collectives are queued (an asynchronous call's:
     once they have run)."""
     stale = []
-    with _pools_lock:
-        idle = _idle.setdefault(_kind(device, count), [])
+    with state.pools_lock:
+        idle = state.idle_pools.setdefault(_kind(device, count), [])
         while idle:
             found = idle.pop()
-            if found.slot_bytes == slot_bytes and len(found.slots) == count and found.generation == _generation:
+            if (found.slot_bytes, len(found.slots), found.generation) == (slot_bytes, count, state.pool_generation):
                 break
             stale.append(found)
         else:
             found = None
     for old in stale:
         old.synchronize()
-    found = found or Pool(device, slot_bytes, _generation, count)
-    with _pools_lock:
-        _busy.append(found)
+    found = found or Pool(device, slot_bytes, state.pool_generation, count)
+    with state.pools_lock:
+        state.busy_pools.append(found)
     return found
 
 
@@ -355,10 +349,10 @@ def _kind(device: torch.device, count: int) -> tuple:
 
 
 def give_back(used: Pool) -> None:
-    with _pools_lock:
-        _busy.remove(used)
-        if used.generation == _generation:
-            _idle.setdefault(_kind(used.device, len(used.slots)), []).append(used)
+    with state.pools_lock:
+        state.busy_pools.remove(used)
+        if used.generation == state.pool_generation:
+            state.idle_pools.setdefault(_kind(used.device, len(used.slots)), []).append(used)
             return
     used.synchronize()  # release() ran while this call used the pool: freed once its work is done
 
@@ -366,19 +360,19 @@ def give_back(used: Pool) -> None:
 def discard(used: Pool) -> None:
     """Drop ``used`` without reusing it (a failed call's collectives may still use its memory; the memory is freed
     once nothing holds it)."""
-    with _pools_lock:
-        _busy.remove(used)
+    with state.pools_lock:
+        state.busy_pools.remove(used)
 
 
 def lane(group: dist.ProcessGroup, name: str) -> concurrent.futures.ThreadPoolExecutor:
     """The group's copy lane ``name`` (one thread, made at first use): ``"in"``, host copies into bounce buffers;
     ``"out"``, out of them; ``"done"``, the completion of asynchronous chunked calls. Tasks of one lane run in the
     order submitted; the lanes of two groups never wait for each other."""
-    state = state_of(group)
-    with state.lock:
-        executor = state.lanes.get(name)
+    record = state_of(group)
+    with record.lock:
+        executor = record.lanes.get(name)
         if executor is None:
-            executor = state.lanes[name] = concurrent.futures.ThreadPoolExecutor(
+            executor = record.lanes[name] = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix=f"offload_shim_{name}")
     return executor
 
@@ -390,8 +384,8 @@ def completion_lane(group: dist.ProcessGroup) -> concurrent.futures.ThreadPoolEx
 def pooled_buffers(busy: bool = True) -> list[torch.Tensor]:
     """Every staging buffer the pools hold now, or with ``busy=False`` those of pools no call holds (what a later
     call would take): for tests that count them and poison them between uses."""
-    with _pools_lock:
-        pools = (*(_busy if busy else ()), *(p for idle in _idle.values() for p in idle))
+    with state.pools_lock:
+        pools = (*(state.busy_pools if busy else ()), *(p for idle in state.idle_pools.values() for p in idle))
         return [buffer for each in pools for buffer in each.buffers()]
 
 
@@ -399,8 +393,9 @@ def copy_streams() -> list:
     """The accelerator streams that staging queues copies of callers' memory on: every pool's H2D and D2H streams (in
     use or idle); with the current stream of each of their devices (where a call staged whole copies), for a wait that
     follows every such copy queued so far (``_registration``)."""
-    with _pools_lock:
-        pools = [p for p in (*_busy, *(p for idle in _idle.values() for p in idle)) if p.device.type != "cpu"]
+    with state.pools_lock:
+        pools = [p for p in (*state.busy_pools, *(p for idle in state.idle_pools.values() for p in idle))
+                 if p.device.type != "cpu"]
     streams = [stream for each in pools for stream in (each.h2d, each.d2h)]
     return streams + [current_stream(d) for d in {each.device for each in pools}]
 
@@ -408,37 +403,22 @@ def copy_streams() -> list:
 def forget(group: dist.ProcessGroup | None = None) -> None:
     """Drop what is kept for ``group`` (every group for ``None``): its agreement, its served-path answer and its
     lanes (their threads end once their tasks are done)."""
-    with _states_lock:
-        dropped = list(_states.values()) if group is None else [_states.pop(group, None)]
+    with state.groups_lock:
+        dropped = list(state.groups.values()) if group is None else [state.groups.pop(group, None)]
         if group is None:
-            _states.clear()
+            state.groups.clear()
     drop_answers(group)
-    for state in dropped:
-        if state is not None:
-            for executor in state.lanes.values():
+    for record in dropped:
+        if record is not None:
+            for executor in record.lanes.values():
                 executor.shutdown(wait=False)
 
 
 def release() -> None:
     """Free the pools once their last use has finished (pools in use are freed when given back)."""
-    global _generation
-    with _pools_lock:
-        _generation += 1
-        pools = [each for idle in _idle.values() for each in idle]
-        _idle.clear()
+    with state.pools_lock:
+        state.pool_generation += 1
+        pools = [each for idle in state.idle_pools.values() for each in idle]
+        state.idle_pools.clear()
     for each in pools:
         each.synchronize()
-
-
-@_fork.after_fork
-def _forget_after_fork() -> None:
-    """In a forked child: the parent's lane threads are not there (their executors would never run a copy), and its
-    agreements, answers and pools were the parent's (kept, never freed: ``_fork``); a lock a parent's thread held
-    at the fork would never be released in the child."""
-    global _states_lock, _answers_lock, _pools_lock
-    _states_lock, _answers_lock, _pools_lock = threading.Lock(), threading.Lock(), threading.Lock()
-    _fork.keep(list(_states.values()), dict(host_answers), dict(_idle), list(_busy))
-    _states.clear()
-    host_answers.clear()
-    _idle.clear()
-    _busy.clear()

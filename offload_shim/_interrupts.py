@@ -21,29 +21,29 @@ import contextlib
 import signal
 import threading
 
-from offload_shim import _fork
+from offload_shim import _state
+from offload_shim._state import state
 
 SIGINT = int(signal.SIGINT)
-# (Each kept across importlib.reload: a call holding SIGINT back releases it through them.)
-_holding: list = globals().get("_holding", [])  # [True] while the main thread holds SIGINT back
-_caught: list = globals().get("_caught", [])  # the frame of each SIGINT noted meanwhile
-_replaced: list = globals().get("_replaced") or [signal.default_int_handler]  # the handler _note stands in for
+# state.sigint_held: [True] while the main thread holds SIGINT back; state.sigint_caught: the frame of each SIGINT
+# noted meanwhile.
+_replaced: list = [signal.default_int_handler]  # the handler _note stands in for
 _main = threading.main_thread
 
 
 def _noting(signum, frame) -> None:
-    if _holding:
-        _caught.append(frame)
+    if state.sigint_held:
+        state.sigint_caught.append(frame)
     else:  # put back by the program after it read it during a call: the handler it stood in for
         _replaced[0](signum, frame)
 
 
-_note = globals().get("_note", _noting)  # the SIGINT handler while held back (the same across importlib.reload)
+_note = _noting  # the SIGINT handler while held back
 
 
 def hold() -> None:
     """Hold SIGINT back until :func:`release` (holding already, or outside the main thread: nothing)."""
-    if _holding or threading.get_ident() != _main().ident:
+    if state.sigint_held or threading.get_ident() != _main().ident:
         return
     previous = _signal.getsignal(SIGINT)
     if previous is not _note:
@@ -51,31 +51,29 @@ def hold() -> None:
             return
         _replaced[0] = previous
         _signal.signal(SIGINT, _note)
-    _holding.append(True)
+    state.sigint_held.append(True)
 
 
 def release() -> None:
     """Put the SIGINT handler back (unless the program set another meanwhile), and run it for a SIGINT held back
     meanwhile (Python's raises ``KeyboardInterrupt``, here)."""
-    if not _holding or threading.get_ident() != _main().ident:
+    if not state.sigint_held or threading.get_ident() != _main().ident:
         return
-    _holding.clear()
+    state.sigint_held.clear()
     try:
         if _signal.getsignal(SIGINT) is _note:
             _signal.signal(SIGINT, _replaced[0])
     finally:
-        frame = _caught[0] if _caught else None
-        _caught.clear()
+        frame = state.sigint_caught[0] if state.sigint_caught else None
+        state.sigint_caught.clear()
     if frame is not None:
         _replaced[0](SIGINT, frame)
 
 
-@_fork.after_fork
+@_state.after_fork
 def _put_back_after_fork() -> None:
     """A child forked while the main thread held SIGINT back (from another thread) would never release it: its
     handler is put back."""
-    _holding.clear()
-    _caught.clear()
     if _signal.getsignal(SIGINT) is _note:
         _signal.signal(SIGINT, _replaced[0])
 
@@ -83,7 +81,7 @@ def _put_back_after_fork() -> None:
 @contextlib.contextmanager
 def held():
     """Hold SIGINT back for the block, unless held already (then until that hold's :func:`release`)."""
-    outer = bool(_holding)
+    outer = bool(state.sigint_held)
     hold()
     try:
         yield

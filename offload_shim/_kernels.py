@@ -38,37 +38,29 @@ frames run as plain Python there, as torch's own ``torch.distributed`` functions
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 import torch.distributed as dist
 import wrapt
 
-from offload_shim import _devices, _execute, _fork, _plan, _table
+from offload_shim import _devices, _execute, _plan, _table
+from offload_shim._state import state
 
 NAMESPACES = _table.OPS_NAMESPACES
 POINT_TO_POINT = frozenset(name for name, entry in _table.OPS.items() if entry.point_to_point)
 
 _log = logging.getLogger("offload_shim")
-_lock = globals().get("_lock") or threading.Lock()  # state kept across importlib.reload
-_libraries: list = globals().get("_libraries", [])  # the torch.library.Library objects holding the registrations while installed
+_libraries: list = []  # the torch.library.Library objects holding the registrations while installed
 
 
-_hooked = globals().get("_hooked", False)  # the post-import hook above registered (kept across reloads)
-
-
-@_fork.after_fork
-def _new_lock_after_fork() -> None:
-    """A child forked while another thread installed or removed the kernels would wait for the lock forever."""
-    global _lock
-    _lock = threading.Lock()
+_hooked = False  # the post-import hook above registered
 
 
 def install() -> None:
     """Register the ``CPU`` kernels (see the module docstring), and keep the shim's own code out of Dynamo from
     when it is imported (:func:`_keep_out_of_dynamo`). Installing twice changes nothing; does nothing where
     ``torch.distributed`` is unavailable."""
-    with _lock:
+    with state.kernels_lock:
         if _libraries or not dist.is_available():
             return
         # When Dynamo is first imported, not now: importing it costs about a second, and most programs never compile.
@@ -112,7 +104,7 @@ def _keep_out_of_dynamo(trace_rules) -> None:
 def uninstall() -> None:
     """Remove exactly the registrations :func:`install` made; torch's own kernels serve CPU tensors again.
     Removing twice changes nothing."""
-    with _lock:
+    with state.kernels_lock:
         for library in _libraries:
             library._destroy()
         _libraries.clear()

@@ -20,21 +20,20 @@ decorators set), tells one object from another.
 Families of patches whose module torch imports lazily (DTensor, the functional collectives) are applied by
 a wrapt post-import hook when that module is first imported.
 
-The module's state survives ``importlib.reload``: a reload re-runs this code, and the wrappers in place stay known.
+What is wrapped where (the tables below) is the process's, inherited by a forked child as it is.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import wrapt
 
-from offload_shim import _fork
+from offload_shim._state import state
 
 _log = logging.getLogger("offload_shim")
 
@@ -75,26 +74,16 @@ class _Binding:
     live: list  # [True] while installed; emptied on removal: the wrapper then passes calls straight through
 
 
-# Kept across importlib.reload of this module (see the module docstring).
-_lock = globals().get("_lock") or threading.RLock()
-_installed = globals().get("_installed", False)
-_applied: dict[tuple[str, str | None, str], list[_Binding]] = globals().get("_applied", {})
-_hooked_modules: set[str] = globals().get("_hooked_modules", set())
-_targets: list[Target] = globals().get("_targets", [])
-_added: list[Target] = globals().get("_added", [])  # targets added by add_target(), wrapped by every install() after it
+_installed = False
+_applied: dict[tuple[str, str | None, str], list[_Binding]] = {}
+_hooked_modules: set[str] = set()
+_targets: list[Target] = []
+_added: list[Target] = []  # targets added by add_target(), wrapped by every install() after it
 # The bindings uninstall() removed, by key as _applied: install() binds the same wrappers again where it finds the
 # same objects to wrap.
-_removed: dict[tuple[str, str | None, str], list[_Binding]] = globals().get("_removed", {})
+_removed: dict[tuple[str, str | None, str], list[_Binding]] = {}
 # Every wrapper the shim made, by id (a wrapper compares and hashes equal to what it wraps, so no set of them).
-_ours: dict[int, weakref.ref] = globals().get("_ours", {})
-
-
-@_fork.after_fork
-def _new_lock_after_fork() -> None:
-    """A child forked while another thread held the lock (inside install() or a post-import hook) would wait for
-    it forever: the child has that thread no more."""
-    global _lock
-    _lock = threading.RLock()
+_ours: dict[int, weakref.ref] = {}
 
 
 def is_installed() -> bool:
@@ -213,7 +202,7 @@ def _remove(binding: _Binding) -> None:
 
 
 def _on_import(module) -> None:
-    with _lock:
+    with state.patching_lock:
         if not _installed:
             return
         for target in _targets:
@@ -225,7 +214,7 @@ def install(targets: list[Target]) -> None:
     """Wrap ``targets`` and those of :func:`add_target`: now where their module is imported, else when it is.
     Installing twice changes nothing."""
     global _installed
-    with _lock:
+    with state.patching_lock:
         if _installed:
             return
         _installed = True
@@ -248,7 +237,7 @@ def _hook(module_name: str) -> None:
 def add_target(target: Target) -> None:
     """Wrap ``target`` from now on: at once if installed (when its module is imported, if it is not yet), and
     at every later :func:`install`. :func:`uninstall` removes it like any other."""
-    with _lock:
+    with state.patching_lock:
         _added.append(target)
         if _installed:
             _targets.append(target)
@@ -259,7 +248,7 @@ def uninstall() -> None:
     """Bind the objects the wrappers replaced back at every name where a wrapper is bound. Removing twice changes
     nothing."""
     global _installed
-    with _lock:
+    with state.patching_lock:
         _installed = False
         for key in list(_applied):
             bindings = _removed[key] = _applied.pop(key)
@@ -269,7 +258,7 @@ def uninstall() -> None:
 
 def applied_wrappers() -> dict[str, wrapt.FunctionWrapper]:
     """The wrappers in place, by dotted name of the function they wrap (the home's wrapper)."""
-    with _lock:
+    with state.patching_lock:
         return {
             ".".join(p for p in (key[0], key[1], key[2]) if p): bindings[0].wrapper
             for key, bindings in _applied.items()

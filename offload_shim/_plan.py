@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from offload_shim import _config, _counters, _devices, _groups, _interrupts, _staging
 from offload_shim._devices import StagingError
+from offload_shim._state import state
 from offload_shim._table import ELEMENTWISE, GATHER, LIST, NONE, READ, TENSOR, WRITE, Collective
 
 _log = logging.getLogger("offload_shim")
@@ -154,10 +155,9 @@ class Plan:
     chunks: Chunks | None = None
 
 
-# The last group whose host tensors were staged through a device fixed by the group and the settings: (weak
-# reference to the group, the settings then, the device). Calls on that group under those settings need not
-# resolve the device again: a small staged call costs little more than its decision.
-_last_device: tuple = (lambda: None, None, None)
+# state.last_device: the last group whose host tensors were staged through a device fixed by the group and the
+# settings: (weak reference to the group, the settings then, the device). Calls on that group under those settings
+# need not resolve the device again: a small staged call costs little more than its decision.
 
 
 def decide(call: Call) -> Plan | None:
@@ -170,7 +170,7 @@ def decide(call: Call) -> Plan | None:
             is sent, the caller's tensors unchanged.
     """
     group = call.group
-    if group is None or _staging._calls.depth:  # (a collective called from inside a staged call: torch's)
+    if group is None or state.thread.depth:  # (a collective called from inside a staged call: torch's)
         return None
     if not _well_formed(call):
         return None  # torch's own call raises its own error (a missing tensor, a list for a tensor), before any wire
@@ -193,8 +193,7 @@ def _decide(call: Call, group) -> Plan | None:
     settings = _config.settings()
     if not host:
         return _through_host(call, tensors, settings)
-    global _last_device
-    last, last_settings, device = _last_device
+    last, last_settings, device = state.last_device
     others = len(host) < len(tensors)
     if last() is group and last_settings is settings and not others and all(map(_staging.needs_staging, host)):
         if call.entry.chunkable:
@@ -233,7 +232,7 @@ def _decide(call: Call, group) -> Plan | None:
         raise StagingError(_devices.unstageable_message(host[0], group, call.entry.label, served, why))
     if fixed:
         try:
-            _last_device = (weakref.ref(group), settings, device)
+            state.last_device = (weakref.ref(group), settings, device)
         except TypeError:  # a group type without weak references: not remembered
             pass
     return _stage(call, device, _counters.STAGED, settings, host, tensors)
@@ -241,7 +240,7 @@ def _decide(call: Call, group) -> Plan | None:
 
 def host_answer(given) -> float:
     """The served path's answer for host tensors on ``given`` (the group argument as the caller gave it: ``None``
-    for the default group), found and kept (``_groups.host_answers``) where the wrapper has none: the size in bytes
+    for the default group), found and kept (``state.host_answers``) where the wrapper has none: the size in bytes
     below which a host-only chunkable call of one tensor goes to torch untouched under the settings in force.
     ``math.inf`` (every size) where there is no process group (torch raises, or returns without communicating) or
     one backend serves everything the group serves (a plain Gloo group) and nothing forces staging; otherwise 0

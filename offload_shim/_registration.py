@@ -39,39 +39,32 @@ which it neither uses nor undoes.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import functools
 import logging
-import threading
-import weakref
 
 import torch
 
-from offload_shim import _config, _fork, _groups
+from offload_shim import _config, _groups
+from offload_shim._state import state
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, as torch's own stager registers
 _NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered: nothing left to undo
 
-_lock = threading.Lock()  # around the tables; never held while memory is registered or unregistered, nor events waited
-# data pointer -> (the storage, bytes registered), least recently staged first. The table holds the storage, so its
-# memory is not freed before the safe point unregisters it.
-_registered: collections.OrderedDict[int, tuple[torch.UntypedStorage, int]] = collections.OrderedDict()
-# Taken off the table and still registered, ``(pointer, bytes, storage)``: unregistered, and the storage let go, by
-# the next safe point, which drops each only once the driver has undone it.
-_pending: list[tuple[int, int, torch.UntypedStorage]] = []
-_registering: set[int] = set()  # pointers whose registration is under way (the driver's call in flight)
-_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages staged once, not registered
-_failed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storages whose registration failed
-_evicted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # unregistered for room: again only into free room
+# state.registration_lock: around the tables; never held while memory is registered or unregistered, nor events
+# waited. state.registered: data pointer -> (the storage, bytes registered), least recently staged first; it holds
+# the storage, so its memory is not freed before the safe point unregisters it. state.unregistering: taken off the
+# table and still registered, (pointer, bytes, storage): unregistered, and the storage let go, by the next safe
+# point, which drops each only once the driver has undone it. state.registering: pointers whose registration is under
+# way (the driver's call in flight). state.staged_once: storages staged once, not registered; state.registration_failed:
+# whose registration failed; state.evicted: unregistered for room, again only into free room.
 _log = logging.getLogger("offload_shim")
-_logged_failure = False
 
 
 def registered_bytes() -> int:
     """Bytes of pageable host memory registered now (storages no tensor uses any more included, until the next safe
     point unregisters them)."""
-    with _lock:
+    with state.registration_lock:
         return _total()
 
 
@@ -82,56 +75,56 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     cap = _config.settings().register_bytes
-    if cap <= 0 and not (_registered or _pending):
+    if cap <= 0 and not (state.registered or state.unregistering):
         return False  # (registration off: a few reads)
-    with _lock:
+    with state.registration_lock:
         _shrink(cap)  # (a lowered budget)
     drain()
     storage = tensor.untyped_storage()
     pointer, nbytes = storage.data_ptr(), storage.nbytes()
     under_way = False
     try:
-        with _lock:
-            if pointer in _registering:  # another thread is registering this memory: its answer stands
+        with state.registration_lock:
+            if pointer in state.registering:  # another thread is registering this memory: its answer stands
                 return False
-            entry = _registered.get(pointer)
+            entry = state.registered.get(pointer)
             if entry is not None and entry[0] is storage and entry[1] == nbytes:
-                _registered.move_to_end(pointer)
+                state.registered.move_to_end(pointer)
                 return True
-            if cap <= 0 or nbytes > cap or storage in _failed or tensor.is_pinned():  # pinned by torch or others
+            if cap <= 0 or nbytes > cap or storage in state.registration_failed or tensor.is_pinned():  # pinned by torch or others
                 return False
-            if storage in _evicted and _total() + nbytes > cap:  # unregistered for room once: only into free room
+            if storage in state.evicted and _total() + nbytes > cap:  # unregistered for room once: only into free room
                 return False
-            if storage not in _seen:
-                _seen[storage] = True
+            if storage not in state.staged_once:
+                state.staged_once[storage] = True
                 return False
-            del _seen[storage]
+            del state.staged_once[storage]
             evicted = _shrink(cap - nbytes)
             # On the table before the driver's call: the budget counts it, and an interruption leaves no
             # registration untracked (one left behind is unregistered as unused, the driver answering 713).
             mine = (storage, nbytes)
             under_way = True
-            _registering.add(pointer)
-            _registered[pointer] = mine
+            state.registering.add(pointer)
+            state.registered[pointer] = mine
         drain()  # (the room made, before registering into it)
-        with _lock:  # a range not yet undone in the way (the driver would refuse it), or room still held
+        with state.registration_lock:  # a range not yet undone in the way (the driver would refuse it), or room still held
             blocked = _overlaps(pointer, nbytes) or _total() > cap
         code = 0 if blocked else int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _PORTABLE))
-        with _lock:
-            kept = not blocked and code == 0 and _registered.get(pointer) is mine
+        with state.registration_lock:
+            kept = not blocked and code == 0 and state.registered.get(pointer) is mine
             if blocked or code != 0:
-                if _registered.get(pointer) is mine:
-                    del _registered[pointer]
+                if state.registered.get(pointer) is mine:
+                    del state.registered[pointer]
                 for each in evicted:  # evicted for nothing: back at their next stagings
-                    _evicted.pop(each, None)
+                    state.evicted.pop(each, None)
                 if code != 0:
-                    _failed[storage] = True
+                    state.registration_failed[storage] = True
             elif not kept:  # taken off meanwhile (unregister_all in another thread): undone at once
-                _pending.append((pointer, nbytes, storage))
+                state.unregistering.append((pointer, nbytes, storage))
     finally:
         if under_way:
-            with _lock:
-                _registering.discard(pointer)
+            with state.registration_lock:
+                state.registering.discard(pointer)
     if code != 0:
         _clear_error()
         _log_failure(code, nbytes)
@@ -143,23 +136,23 @@ def register_for_staging(tensor: torch.Tensor, device: torch.device) -> bool:
 def _overlaps(pointer: int, nbytes: int) -> bool:
     """Whether a range taken off the table and not yet unregistered overlaps ``nbytes`` at ``pointer`` (lock held):
     the old range of a resized storage, where the allocator has since placed other memory."""
-    return any(start < pointer + nbytes and pointer < start + size for start, size, _ in _pending)
+    return any(start < pointer + nbytes and pointer < start + size for start, size, _ in state.unregistering)
 
 
 def _shrink(cap: int) -> list[torch.UntypedStorage]:
-    """Take the least recently staged storages off the table, into :data:`_pending`, until at most ``cap`` bytes are
+    """Take the least recently staged storages off the table, into :data:`state.unregistering`, until at most ``cap`` bytes are
     registered, pending ones included (lock held); returns those storages. Each is pending before it leaves the
     table (an interruption loses none); one whose registration is under way stays."""
     evicted = []
     total = _total()
-    for pointer, (storage, nbytes) in list(_registered.items()):
+    for pointer, (storage, nbytes) in list(state.registered.items()):
         if total <= cap:
             break
-        if pointer in _registering:
+        if pointer in state.registering:
             continue
-        _pending.append((pointer, nbytes, storage))
-        del _registered[pointer]
-        _evicted[storage] = True
+        state.unregistering.append((pointer, nbytes, storage))
+        del state.registered[pointer]
+        state.evicted[storage] = True
         evicted.append(storage)
         total -= nbytes
     return evicted
@@ -167,7 +160,7 @@ def _shrink(cap: int) -> list[torch.UntypedStorage]:
 
 def _total() -> int:
     """Bytes registered: on the table and pending (lock held)."""
-    return sum(entry[1] for entry in _registered.values()) + sum(entry[1] for entry in _pending)
+    return sum(entry[1] for entry in state.registered.values()) + sum(entry[1] for entry in state.unregistering)
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,16 +187,16 @@ def drain() -> None:
     where nothing is registered or pending. (A live storage evicted while another thread's call copies from it: that
     thread may queue a copy after the events are recorded; the driver's unregister returns only once the device's queued
     work is done, seen on one H200, and copies queued after it take the pageable path.)"""
-    if not (_registered or _pending):
+    if not (state.registered or state.unregistering):
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return
-    with _lock:
-        for pointer, (storage, nbytes) in list(_registered.items()):
-            if pointer not in _registering and _unused(storage, pointer, nbytes):
-                _pending.append((pointer, nbytes, storage))
-                del _registered[pointer]
-        taken = list(_pending)
+    with state.registration_lock:
+        for pointer, (storage, nbytes) in list(state.registered.items()):
+            if pointer not in state.registering and _unused(storage, pointer, nbytes):
+                state.unregistering.append((pointer, nbytes, storage))
+                del state.registered[pointer]
+        taken = list(state.unregistering)
     if not taken:
         return
     for event in [stream.record_event() for stream in _groups.copy_streams()]:
@@ -213,24 +206,23 @@ def drain() -> None:
         if code != 0:
             _clear_error()
         if code in (0, _NOT_REGISTERED):  # (713: the driver holds nothing there; another safe point undid it)
-            with _lock:
-                if item in _pending:
-                    _pending.remove(item)
+            with state.registration_lock:
+                if item in state.unregistering:
+                    state.unregistering.remove(item)
 
 
 def unregister_all() -> None:
     """Unregister every storage staging registered, as the safe point does (:func:`drain`); during this thread's
     CUDA graph capture, at the next safe point after it."""
-    with _lock:
-        _pending.extend((pointer, nbytes, storage) for pointer, (storage, nbytes) in _registered.items())
-        _registered.clear()
+    with state.registration_lock:
+        state.unregistering.extend((pointer, nbytes, storage) for pointer, (storage, nbytes) in state.registered.items())
+        state.registered.clear()
     drain()
 
 
 def _log_failure(code: int, nbytes: int) -> None:
-    global _logged_failure
-    if not _logged_failure:
-        _logged_failure = True
+    if not state.registration_failure_logged:
+        state.registration_failure_logged = True
         _log.warning("offload_shim: cudaHostRegister failed (CUDA error %d) for a storage of %d bytes; it, and any "
                      "other whose registration fails, is staged from pageable memory (%s=0 stops registering)",
                      code, nbytes, _config.ENV_REGISTER_BYTES)
@@ -243,17 +235,3 @@ def _clear_error() -> None:
         ctypes.CDLL(None).cudaGetLastError()
     except (AttributeError, OSError):  # the runtime's symbols are not global here: nothing to reset through them
         pass
-
-
-@_fork.after_fork
-def _forget_the_parents() -> None:
-    """In a child made by ``fork()``: the tables describe the parent's registrations; the child forgets them."""
-    global _lock
-    _lock = threading.Lock()  # (another thread of the parent may have held it at the fork)
-    _fork.keep(dict(_registered), list(_pending))  # (the parent's storages, registered in its context: never freed)
-    _registered.clear()
-    _pending.clear()
-    _registering.clear()
-    _seen.clear()
-    _failed.clear()
-    _evicted.clear()

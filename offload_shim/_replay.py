@@ -47,7 +47,8 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _counters, _fork, _interrupts, _staging
+from offload_shim import _config, _counters, _interrupts, _staging
+from offload_shim._state import state
 
 MAX_BYTES = 64 << 10  # larger calls take the slot path: copy time, not launches, is what they cost
 MAX_CAPTURES = 64  # per process; later keys take the slot path
@@ -74,17 +75,11 @@ class _Capture:
         self.counts = counts  # its replays without a decision (_counters.tally): this thread's alone
 
 
-# Captures by key (:func:`_key`); None where a key cannot be captured. A key names no device: a capture holds the
-# device it was decided for, and replays only while the decision stands.
-_lock = threading.Lock()  # around changes to the tables; lookups are single dict reads
-_captures: dict[tuple, _Capture | None] = globals().get("_captures", {})
-_seen: dict[tuple, int] = globals().get("_seen", {})  # key -> calls so far, until captured
-# The captures found by the identity of a call's arguments (:func:`replayed`): (capture, the objects whose ids the
-# key holds, kept alive so that no other object takes an id). A cache of _captures: emptied whenever one is dropped.
-_by_identity: dict[tuple, tuple] = globals().get("_by_identity", {})
-_nccl_groups: dict[int, tuple[object, bool]] = globals().get("_nccl_groups", {})  # id(group) -> (group, NCCL?)
-_retired: list = globals().get("_retired", [])  # (event, capture): dropped, kept until their last replay is done
-_streams: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, raw stream) -> its Stream object
+# state.captures: captures by key (:func:`_key`), None where a key cannot be captured. A key names no device: a
+# capture holds the device it was decided for, and replays only while the decision stands. Changed under
+# state.replay_lock; lookups are single dict reads. state.captures_by_identity: the captures found by the identity of
+# a call's arguments (:func:`replayed`): (capture, the objects whose ids the key holds, kept alive so that no other
+# object takes an id); a cache of state.captures, emptied whenever one is dropped.
 _world = dist.distributed_c10d._world
 # The groups inside torch's _coalescing_manager: the dict that _World makes once and torch only changes in place.
 _coalescing = getattr(_world, "pg_coalesce_state", {})
@@ -127,7 +122,7 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, function, args: tup
     having done nothing, otherwise: the caller then decides as for any call. ``True`` once ``tensor`` holds the
     result (for a call that only reads: once its bytes are copied). The first check of every call on a group that
     does not serve the host: a call whose other arguments are the same objects as a replayed call's finds its
-    capture by their identity (:data:`_by_identity`), without hashing their values.
+    capture by their identity (``state.captures_by_identity``), without hashing their values.
 
     Raises:
         torch.distributed.DistBackendError: the replay, or the one before it that nobody waited for, did not finish
@@ -144,16 +139,16 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, function, args: tup
             rest = args[1:] if at == 0 else args[:at] + args[at + 1 :]
             identity = (_get_ident(), function, type(tensor), tensor.dtype, tensor.nbytes, *map(id, rest), *kwargs,
                         *map(id, kwargs.values()))
-        found = _by_identity.get(identity)
+        found = state.captures_by_identity.get(identity)
         if found is not None:
             capture = found[0]
         else:
             call = function, rest, tuple(kwargs.items()), rest and tuple(map(type, rest)), tuple(map(type, kwargs.values()))
             capture = _found(tensor, group, call)
             if capture is not None:
-                if len(_by_identity) >= _SEEN_LIMIT:
-                    _by_identity.clear()
-                _by_identity[identity] = (capture, rest, tuple(kwargs.values()))
+                if len(state.captures_by_identity) >= _SEEN_LIMIT:
+                    state.captures_by_identity.clear()
+                state.captures_by_identity[identity] = (capture, rest, tuple(kwargs.values()))
     else:
         capture = _found(tensor, group, call_key(function, args, kwargs, at))
     if (
@@ -161,7 +156,7 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, function, args: tup
         or capture.group is not group
         or capture.settings is not _config.settings()
         or not tensor.is_contiguous()
-        or _staging._calls.depth
+        or state.thread.depth
         or _current_device() != capture.index
         or _capturing()
         or group in _coalescing  # (torch's _coalescing_manager records calls)
@@ -183,7 +178,7 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, function, args: tup
 
 def _found(tensor: torch.Tensor, group, call: tuple) -> _Capture | None:
     try:
-        return _captures.get(_key(tensor, group, call))
+        return state.captures.get(_key(tensor, group, call))
     except TypeError:  # an argument that cannot be a key
         return None
 
@@ -191,10 +186,10 @@ def _found(tensor: torch.Tensor, group, call: tuple) -> _Capture | None:
 def _replayable(group: dist.ProcessGroup, device: torch.device) -> bool:
     if device.type != "cuda" or not _config.settings().graphs:
         return False
-    known = _nccl_groups.get(id(group))
+    known = state.nccl_groups.get(id(group))
     if known is None or known[0] is not group:
         nccl = str(dist.get_backend(group)).lower() == "nccl" and dist.get_debug_level() != dist.DebugLevel.DETAIL
-        known = _nccl_groups[id(group)] = (group, nccl)
+        known = state.nccl_groups[id(group)] = (group, nccl)
     return known[1] and not torch.cuda.is_current_stream_capturing()
 
 
@@ -224,23 +219,23 @@ def capture_for(tensor: torch.Tensor, device: torch.device, group: dist.ProcessG
         return None
     key = _key(tensor, group, call)
     try:
-        capture = _captures.get(key, False)
+        capture = state.captures.get(key, False)
     except TypeError:  # an argument that cannot be a key
         return None
     if capture is False:
-        with _lock:
-            seen = _seen.get(key, 0) + 1
-            if len(_captures) >= MAX_CAPTURES:
+        with state.replay_lock:
+            seen = state.replay_seen.get(key, 0) + 1
+            if len(state.captures) >= MAX_CAPTURES:
                 _forget_threads_gone()
-            if seen < _CAPTURE_AT or len(_captures) >= MAX_CAPTURES:
-                if len(_seen) >= _SEEN_LIMIT:
-                    _seen.clear()
-                _seen[key] = seen
+            if seen < _CAPTURE_AT or len(state.captures) >= MAX_CAPTURES:
+                if len(state.replay_seen) >= _SEEN_LIMIT:
+                    state.replay_seen.clear()
+                state.replay_seen[key] = seen
                 return None
-            _seen.pop(key, None)
+            state.replay_seen.pop(key, None)
         capture = None if _premul_sum(call) else _capture(group, tensor, device, run, reads, writes, settings, counted)
-        with _lock:
-            _captures[key] = capture
+        with state.replay_lock:
+            state.captures[key] = capture
     if capture is None or capture.index != _index(device):  # (a group used from two devices: the slot path)
         return None
     capture.settings = settings  # decided again under these: replayed() may skip the decision
@@ -256,7 +251,7 @@ def replay(capture: _Capture, tensor: torch.Tensor, address: int | None = None) 
         torch.distributed.DistBackendError: the replay, or the one before it that nobody waited for, did not finish
             within the group's timeout; ``tensor`` is unchanged.
     """
-    if _staging._pending:
+    if state.pending_writes:
         _staging.finish_writes_to((tensor,))
     if capture.pending:  # a replay that only read: it may still be reading the pinned input
         if not _query_event(capture.done):
@@ -324,11 +319,11 @@ def _current_stream(index: int) -> torch.cuda.Stream:
     """The current stream of device ``index``: its Stream object made once per stream (``current_stream`` makes a
     new one per call, and costs more than the rest of a replay's bookkeeping)."""
     key = (index, _raw_stream(index))
-    stream = _streams.get(key)
+    stream = state.streams.get(key)
     if stream is None:
-        if len(_streams) >= 64:
-            _streams.clear()
-        stream = _streams[key] = torch.cuda.current_stream(index)
+        if len(state.streams) >= 64:
+            state.streams.clear()
+        stream = state.streams[key] = torch.cuda.current_stream(index)
     return stream
 
 
@@ -395,15 +390,15 @@ def forget(group: dist.ProcessGroup | None = None) -> None:
     """Drop the captures of ``group`` (of every group for ``None``): called before the group is destroyed, while
     its communicator still exists. Never waits: a dropped capture's buffers and graph are kept until its last
     replay has finished (a replay on a stopped peer ends when torch aborts the communicator)."""
-    with _lock:
-        keys = [key for key in _captures if group is None or key[1] is group]
-        _retire([_captures.pop(key) for key in keys])
-        for key in [key for key in _seen if group is None or key[1] is group]:
-            del _seen[key]
+    with state.replay_lock:
+        keys = [key for key in state.captures if group is None or key[1] is group]
+        _retire([state.captures.pop(key) for key in keys])
+        for key in [key for key in state.replay_seen if group is None or key[1] is group]:
+            del state.replay_seen[key]
         if group is None:
-            _nccl_groups.clear()
+            state.nccl_groups.clear()
         else:
-            _nccl_groups.pop(id(group), None)
+            state.nccl_groups.pop(id(group), None)
 
 
 def prune() -> None:
@@ -411,37 +406,26 @@ def prune() -> None:
     groups = getattr(_world, "pg_map", None)
     if groups is None:
         return
-    with _lock:
-        _retire([_captures.pop(key) for key in [key for key in _captures if key[1] not in groups]])
+    with state.replay_lock:
+        _retire([state.captures.pop(key) for key in [key for key in state.captures if key[1] not in groups]])
 
 
-def _forget_threads_gone() -> None:  # under _lock
+def _forget_threads_gone() -> None:  # under state.replay_lock
     alive = {thread.ident for thread in threading.enumerate()}
-    _retire([_captures.pop(key) for key in [key for key in _captures if key[0] not in alive]])
+    _retire([state.captures.pop(key) for key in [key for key in state.captures if key[0] not in alive]])
 
 
-def _retire(dropped) -> None:  # under _lock
-    _by_identity.clear()
+def _retire(dropped) -> None:  # under state.replay_lock
+    state.captures_by_identity.clear()
     for capture in dropped:
         if capture is None:
             continue
         _counters.fold(capture.counts)
         if capture.stream is not None:
-            _retired.append((capture.stream.record_event(), capture))
-    _retired[:] = [(event, capture) for event, capture in _retired if not event.query()]
-
-
-@_fork.after_fork
-def _forget_after_fork() -> None:
-    """In a forked child: the parent's captures (graphs, pinned buffers, events) are not the child's to replay, nor
-    to free (kept: ``_fork``); a lock a parent's thread held at the fork would never be released in the child."""
-    global _lock
-    _lock = threading.Lock()
-    _fork.keep(dict(_captures), dict(_by_identity), list(_retired), dict(_streams), dict(_nccl_groups))
-    for table in (_captures, _seen, _by_identity, _retired, _streams, _nccl_groups):
-        table.clear()
+            state.retired_captures.append((capture.stream.record_event(), capture))
+    state.retired_captures[:] = [(event, capture) for event, capture in state.retired_captures if not event.query()]
 
 
 def captures() -> int:
     """How many captured calls this process holds (for tests and the doctor)."""
-    return sum(capture is not None for capture in _captures.values())
+    return sum(capture is not None for capture in state.captures.values())

@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
-import itertools
 import logging
 import os
 import queue
@@ -30,16 +29,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from offload_shim import _fork, _interrupts
+from offload_shim import _interrupts, _state
+from offload_shim._state import state
 
 _log = logging.getLogger("offload_shim")
-
-
-class _CallDepth(threading.local):
-    depth = 0  # staged calls running in this thread
-
-
-_calls = globals().get("_calls") or _CallDepth()  # state kept across importlib.reload
 
 
 class staged_call:
@@ -50,15 +43,16 @@ class staged_call:
     __slots__ = ("_depth",)
 
     def __enter__(self) -> None:
-        self._depth = _calls.depth
-        _calls.depth = self._depth + 1
+        thread = state.thread
+        self._depth = thread.depth
+        thread.depth = self._depth + 1
 
     def __exit__(self, *exc_info) -> None:
-        _calls.depth = self._depth
+        state.thread.depth = self._depth
 
 
 def in_staged_call() -> bool:
-    return _calls.depth > 0
+    return state.thread.depth > 0
 
 
 def _is_pinned(tensor: torch.Tensor) -> bool:
@@ -127,10 +121,6 @@ def copy_threads() -> int:
     return max(1, min(32, cpus // ranks))
 
 
-_copy_pool_lock = globals().get("_copy_pool_lock") or threading.Lock()
-_copy_pool: list = globals().get("_copy_pool", [])  # [ThreadPoolExecutor], made on first use; kept across reload
-
-
 def host_copies(pairs) -> None:
     """``destination.copy_(source)`` for each ``(destination, source)`` pair of flat contiguous host tensors of
     one dtype, split over the copy threads (torch's copies release the GIL). Complete when this returns. The copy
@@ -145,10 +135,10 @@ def host_copies(pairs) -> None:
         for destination, source in pieces:
             _copy(destination, source)
         return
-    with _copy_pool_lock:
-        if not _copy_pool:
-            _copy_pool.append(concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="offload_shim_copy"))
-        executor = _copy_pool[0]
+    with state.copy_pool_lock:
+        if state.copy_pool is None:
+            state.copy_pool = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="offload_shim_copy")
+        executor = state.copy_pool
     futures = [executor.submit(_copy, destination, source) for destination, source in pieces[1:]]
     error = None
     try:
@@ -168,17 +158,6 @@ def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
     # Grad mode and inference mode are per thread: set here as in the calling thread.
     with torch.no_grad(), writable(destination):
         bits(destination).copy_(bits(source))
-
-
-@_fork.after_fork
-def _forget_copy_pool() -> None:
-    """In a forked child: the parent's copy threads are not there, so its executor would never run a copy; and the
-    parent's small-call slots and outstanding writes are not the child's (kept, never freed: ``_fork``)."""
-    global _slots
-    _fork.keep(list(_copy_pool), _slots, dict(_pending))
-    _copy_pool.clear()
-    _slots = _ThreadSlots()
-    _pending.clear()
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -260,31 +239,22 @@ class _SmallSlot:
         return view
 
 
-class _ThreadSlots(threading.local):
-    def __init__(self):
-        self.by_device: dict[torch.device, _SmallSlot] = {}
-
-
-_slots = globals().get("_slots") or _ThreadSlots()
-_slot_generation = globals().get("_slot_generation", 0)
-
-
 def release_small_slots() -> None:
     """Let go of every thread's small-call slots: each thread makes new ones at its next small staged call (a
     thread that never makes one keeps its old slots until it ends)."""
-    global _slot_generation
-    _slot_generation += 1
+    state.slot_generation += 1
 
 
 def small_slot_buffers() -> list[torch.Tensor]:
     """This thread's small-call slot buffers (for tests that poison them between uses and watch their reuse)."""
-    return [slot.staged for slot in _slots.by_device.values()]
+    return [slot.staged for slot in state.thread.slots.values()]
 
 
 def _small_slot(device: torch.device, nbytes: int) -> _SmallSlot:
-    slot = _slots.by_device.get(device)
-    if slot is None or slot.generation != _slot_generation or slot.staged.numel() < nbytes:
-        slot = _slots.by_device[device] = _SmallSlot(device, max(512, 1 << (nbytes - 1).bit_length()), _slot_generation)
+    slots, generation = state.thread.slots, state.slot_generation
+    slot = slots.get(device)
+    if slot is None or slot.generation != generation or slot.staged.numel() < nbytes:
+        slot = slots[device] = _SmallSlot(device, max(512, 1 << (nbytes - 1).bit_length()), generation)
     elif slot.pending is not None:
         slot.pending.synchronize()
         slot.pending = None
@@ -308,22 +278,23 @@ def stage_small_in_place(tensor: torch.Tensor, device: torch.device, run: Callab
     Returns:
         What ``run`` returned, once ``tensor`` holds the result. If ``run`` raises, ``tensor`` is unchanged.
     """
-    if _pending:
+    if state.pending_writes:
         finish_writes_to((tensor,))
     slot = _small_slot(device, tensor.nbytes)
     staged = slot.view(tensor)
     source = tensor.detach() if tensor.requires_grad else tensor  # no graph: a collective is outside autograd
     if reads:
         bits(staged).copy_(bits(source), non_blocking=writes)  # blocking where nothing waits for the device after it
-    depth = _calls.depth  # as staged_call(), without its object: this path is for calls of a few bytes
-    _calls.depth = depth + 1
+    thread = state.thread
+    depth = thread.depth  # as staged_call(), without its object: this path is for calls of a few bytes
+    thread.depth = depth + 1
     try:
         result = run(staged)
     except BaseException:
         slot.pending = _record(device)
         raise
     finally:
-        _calls.depth = depth
+        thread.depth = depth
     if writes:
         if tensor.is_inference():
             with torch.inference_mode():
@@ -340,15 +311,11 @@ def _record(device: torch.device):
     return None if device.type == "cpu" else torch.accelerator.current_stream(device).record_event()
 
 
-# Host memory that asynchronous staged calls write when they are finished: token -> (spans, finish). A staged call
-# on memory in a span first finishes that call, so that calls on one tensor take effect in the order they were
-# made, as they do on one accelerator stream. No lock: each access is one dict operation (atomic in CPython), and
-# written() runs from garbage collection (a failed handle's traceback holds it in a cycle), which may strike while
-# any code of this module runs; a lock taken there would deadlock.
-_pending: dict[int, tuple[list[tuple[int, int]], Callable[[], object]]] = globals().get("_pending", {})
-_tokens = globals().get("_tokens") or itertools.count()
-
-
+# Host memory that asynchronous staged calls write when they are finished (state.pending_writes: token -> (spans,
+# finish)). A staged call on memory in a span first finishes that call, so that calls on one tensor take effect in
+# the order they were made, as they do on one accelerator stream. No lock: each access is one dict operation (atomic
+# in CPython), and written() runs from garbage collection (a failed handle's traceback holds it in a cycle), which
+# may strike while any code of this module runs; a lock taken there would deadlock.
 def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
     """The bytes ``[start, end)`` of host memory that ``tensor``'s elements occupy (``None`` if it has none)."""
     if tensor.numel() == 0:
@@ -361,25 +328,26 @@ def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
 def expect_writes(tensors, finish: Callable[[], object]) -> int:
     """Record that an asynchronous staged call will write ``tensors`` when ``finish()`` runs; returns the token
     to pass to :func:`written`."""
-    token = next(_tokens)
+    token = next(state.tokens)
     spans = [span for span in map(_span, tensors) if span is not None]
     if spans:
-        _pending[token] = (spans, finish)
+        state.pending_writes[token] = (spans, finish)
     return token
 
 
 def written(token: int) -> None:
     """The call recorded under ``token`` by :func:`expect_writes` has written its tensors, or never will."""
-    _pending.pop(token, None)
+    state.pending_writes.pop(token, None)
 
 
 def finish_writes_to(tensors) -> None:
     """Finish every asynchronous staged call that will write memory of ``tensors`` (waiting for it), so that a new
     call reads and writes them after it, as a call on the same accelerator stream would."""
-    if not _pending:
+    pending_writes = state.pending_writes
+    if not pending_writes:
         return
     spans = [span for span in map(_span, tensors) if span is not None]
-    for pending, finish in list(_pending.values()):
+    for pending, finish in list(pending_writes.values()):
         if any(start < end_ and start_ < end for start, end in pending for start_, end_ in spans):
             try:
                 finish()
@@ -560,30 +528,29 @@ class _Completion:
         return True
 
 
-# Calls whose handles were dropped unwaited, finished by one writer thread (started with the first handle, never
-# from a finalizer). A SimpleQueue: its put() may run in a weakref callback, at any point of any thread.
-_unwaited = globals().get("_unwaited") or queue.SimpleQueue()
-_writer: list = globals().get("_writer", [])  # [the writer thread], once started; kept across reload
-_writer_lock = globals().get("_writer_lock") or threading.Lock()
+# Calls whose handles were dropped unwaited (state.unwaited), finished by one writer thread (state.writer, started
+# with the first handle, never from a finalizer). A SimpleQueue: its put() may run in a weakref callback, at any
+# point of any thread.
 POLL_SECONDS = (1e-4, 1e-2)  # the writer's pause between polls of outstanding calls: first, and at most (doubling)
 
 
 def _dropped(call: _Completion) -> None:
     if call.process != os.getpid():  # a parent's call, dropped in a forked child: never finished there
-        _fork.keep(call)
+        _state.keep(call)
     elif not call.finished and call.error is None:
-        _unwaited.put(call)
+        state.unwaited.put(call)
 
 
 def _start_writer() -> None:
-    with _writer_lock:
-        if not _writer:
-            thread = threading.Thread(target=_write_unwaited, name="offload_shim_unwaited", daemon=True)
+    with state.writer_lock:
+        if state.writer is None:
+            thread = threading.Thread(target=_write_unwaited, args=(state.unwaited,), name="offload_shim_unwaited",
+                                      daemon=True)
             thread.start()  # (a daemon: a call its peers never join would keep the process from exiting)
-            _writer.append(thread)
+            state.writer = thread
 
 
-def _write_unwaited() -> None:
+def _write_unwaited(unwaited: queue.SimpleQueue) -> None:
     """The writer thread: finish each dropped handle's call once its collectives have completed, as torch's backends
     write a call whose handle nobody waits for. It polls the calls' work handles and never waits in one: a call whose
     peers are late holds up no other (of its group or another), and the process exits with calls outstanding as it
@@ -593,9 +560,9 @@ def _write_unwaited() -> None:
     pause = POLL_SECONDS[0]
     while True:
         if not outstanding:
-            outstanding.append(_unwaited.get())
-        while not _unwaited.empty():
-            outstanding.append(_unwaited.get())
+            outstanding.append(unwaited.get())
+        while not unwaited.empty():
+            outstanding.append(unwaited.get())
         waiting = []
         for call in outstanding:
             try:
@@ -609,16 +576,6 @@ def _write_unwaited() -> None:
         outstanding = waiting
         if outstanding:
             time.sleep(pause)
-
-
-@_fork.after_fork
-def _forget_writer() -> None:
-    """In a forked child: the parent's writer thread is not there, and the parent's calls are not the child's (kept,
-    never freed: ``_fork``; a parent's handle the child drops is kept too, by :func:`_dropped`)."""
-    global _unwaited, _writer_lock
-    _fork.keep(_unwaited, list(_writer))
-    _unwaited, _writer_lock = queue.SimpleQueue(), threading.Lock()
-    _writer.clear()
 
 
 def counterparts(results, pairs) -> list:
@@ -728,7 +685,7 @@ class StagedWork(_StagedHandle):
         self._call = call = _Completion(works, finish, done, error)
         if error is None:
             call.token = expect_writes(tensors if writes_to is None else writes_to, call.wait)
-            if not _writer:
+            if state.writer is None:
                 _start_writer()
             # Dropped unwaited, the call is finished by the writer thread, as torch's backends finish theirs.
             weakref.finalize(self, _dropped, call).atexit = False

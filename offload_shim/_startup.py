@@ -20,7 +20,7 @@ from offload_shim import _config
 _log = logging.getLogger("offload_shim")
 # Whether activate_on_import() ran in this process: importlib.reload(offload_shim) runs the package's code again,
 # and must not reread the environment over configure()'s settings or install what uninstall() removed.
-_activated = globals().get("_activated", False)
+_activated = False
 
 
 def activate_on_import(install, is_installed) -> bool:

@@ -26,6 +26,7 @@ import wrapt
 
 from offload_shim import _config, _counters, _devices, _execute, _groups, _interrupts, _plan, _replay, _staging, _table
 from offload_shim._patching import Parameters, Target, unwrap_ours
+from offload_shim._state import state
 
 C10D_MODULE = "torch.distributed.distributed_c10d"
 ALIASES = ("torch.distributed",)  # where the c10d functions are public under the same names
@@ -147,7 +148,6 @@ def c10d_wrapper(entry: _table.Collective):
         lazy = _devices.refused_for_host(label)  # accelerator tensors go to torch first (see _devices)
         callers = _callers(entry.name)  # torch's collectives that call this one (see _callers)
         handed = _handed(entry.name)  # where overriding tensors send the call to __torch_function__ (see _handed)
-        answers = _groups.host_answers
 
         def stage(wrapped, args, kwargs, group, refused=None):
             # (Removed by uninstall: torch's call and error, as without the shim; see _patching.Target.)
@@ -178,11 +178,11 @@ def c10d_wrapper(entry: _table.Collective):
                     if group is None:
                         raise refused
                     return stage(wrapped, args, kwargs, group, refused)
-                # The group's answer (_groups.host_answers): below what size its host calls go to torch untouched.
+                # The group's answer (state.host_answers): below what size its host calls go to torch untouched.
                 given = args[group_at] if len(args) > group_at else kwargs.get("group")
                 group = _c10d._world.default_pg if given is None else given
                 try:
-                    below = answers.get(group)
+                    below = state.host_answers.get(group)
                 except TypeError:  # (a group that cannot be a key: found at every call)
                     below = None
                 if below is None:
@@ -194,7 +194,7 @@ def c10d_wrapper(entry: _table.Collective):
                 if served or not live:  # no group (torch raises), one that serves the call, or removed
                     return wrapped(*args, **kwargs)
                 # A small call captured before, replayed without deciding again while what decided it holds (_replay).
-                if _replay._captures and _replay.replayed(tensor, group, wrapped, args, kwargs, at):
+                if state.captures and _replay.replayed(tensor, group, wrapped, args, kwargs, at):
                     return None
                 settings = _config.settings()  # read before the decision: what a capture's replay is decided under
                 plan = _plan.decide(_bind(entry, parameters, args, kwargs, group))

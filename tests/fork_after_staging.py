@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import sys
 import time
 
 import torch

@@ -18,6 +18,7 @@ import torch.distributed._functional_collectives as funcol
 import offload_shim
 from observe import configured
 from offload_shim import _counters
+from offload_shim._state import state
 import versions
 
 THIS_MODULE = sys.modules[__name__]
@@ -253,15 +254,15 @@ def test_summary_at_exit_on_rank_0_only(monkeypatch, capsys):
             monkeypatch.delenv("RANK", raising=False)
         else:
             monkeypatch.setenv("RANK", rank)
-        monkeypatch.setattr(_counters, "_table", dict(table))
-        monkeypatch.setattr(_counters, "_tallies", [])
+        monkeypatch.setattr(state, "counters", dict(table))
+        monkeypatch.setattr(state, "tallies", [])
         with configured(summary_at_exit=summary_at_exit):
             _counters._summary_at_exit()
         assert capsys.readouterr().err == "".join(line + "\n" for line in expected), (rank, table, summary_at_exit)
     # Calls counted only in a replayed capture's tally (the table reset since): staged, so printed.
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(_counters, "_table", {})
-    monkeypatch.setattr(_counters, "_tallies", [(("torch.distributed.all_reduce", "forced", "small"), 16, [2, 0.5],
+    monkeypatch.setattr(state, "counters", {})
+    monkeypatch.setattr(state, "tallies", [(("torch.distributed.all_reduce", "forced", "small"), 16, [2, 0.5],
                                                  [0, 0.0])])
     with configured(summary_at_exit=True):
         _counters._summary_at_exit()

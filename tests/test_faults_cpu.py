@@ -17,6 +17,7 @@ from bitwise import same_bits
 from observe import configured, rss_bytes
 import offload_shim
 from offload_shim import StagingError, _devices, _groups
+from offload_shim._state import state
 from ranks import RankPool
 from test_staging_cpu import rank_input, staging_through_cpu
 
@@ -174,7 +175,7 @@ def test_dropped_handles_written_past_a_broken_one():
     while not written and time.monotonic() < deadline:
         time.sleep(0.01)
     assert written == ["done"], written
-    assert all(thread.is_alive() for thread in _staging._writer)
+    assert state.writer is not None and state.writer.is_alive()
 
 
 def check_dropped_call_waits_for_none_other():
@@ -434,6 +435,7 @@ _FORKED_CHILD = """
 import multiprocessing, sys, torch
 import concurrent.futures
 from offload_shim import _staging
+from offload_shim._state import state
 
 def copy(connection):
     source, destination = torch.ones(8 << 20), torch.empty(8 << 20)  # 32 MiB: two 16 MiB pieces
@@ -445,7 +447,7 @@ if _staging.copy_threads() < 2:
     sys.exit(3)  # one CPU: host copies are not split over threads
 source, destination = torch.ones(8 << 20), torch.empty(8 << 20)
 concurrent.futures.ThreadPoolExecutor(1).submit(_staging.host_copies, [(destination, source)]).result()
-assert _staging._copy_pool, "the parent's copies were not split over threads"
+assert state.copy_pool is not None, "the parent's copies were not split over threads"
 context = multiprocessing.get_context("fork")
 receiver, sender = context.Pipe(duplex=False)
 child = context.Process(target=copy, args=(sender,))
@@ -666,8 +668,6 @@ def check_destroyed_groups_are_not_kept():
     import gc
     import weakref
 
-    from offload_shim import _groups
-
     refs = []
     for backend in ("gloo", "cpu:gloo,cuda:gloo"):
         group = dist.new_group(backend=backend)
@@ -676,7 +676,7 @@ def check_destroyed_groups_are_not_kept():
         tensor = torch.ones(4)
         for _ in range(3):  # served: its answer kept (configure() above emptied the answers)
             dist.all_reduce(tensor, group=group)
-        assert group in _groups.host_answers
+        assert group in state.host_answers
         refs.append(weakref.ref(group))
         dist.destroy_process_group(group)
         del group

@@ -51,6 +51,7 @@ def test_a_forked_child_starts_empty_and_keeps_what_its_parent_held():
         import torch, torch.distributed as dist
         import offload_shim
         from offload_shim import _execute, _groups, _replay, _staging
+        from offload_shim._state import state
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1]))
         dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
         offload_shim.configure(staging_device="cpu", always_stage=True, chunk_bytes="64KiB")
@@ -62,24 +63,24 @@ def test_a_forked_child_starts_empty_and_keeps_what_its_parent_held():
         work = dist.all_reduce(outstanding, async_op=True)  # pipelined, outstanding at the fork
         held = [torch.ones(1 << 10)]
         kept = dist.all_reduce(held[0], async_op=True)  # a handle the child drops
-        parents = [weakref.ref(p) for idle in _groups._idle.values() for p in idle]
-        parents += [weakref.ref(s) for s in _staging._slots.by_device.values()]
-        parents += [weakref.ref(s) for s in list(_groups._states.values())]
+        parents = [weakref.ref(p) for idle in state.idle_pools.values() for p in idle]
+        parents += [weakref.ref(s) for s in state.thread.slots.values()]
+        parents += [weakref.ref(s) for s in list(state.groups.values())]
         assert len(parents) >= 3, parents
-        assert _staging._pending, "no outstanding call at the fork"
+        assert state.pending_writes, "no outstanding call at the fork"
         pid = os.fork()
         if pid == 0:
             code = 0
             del kept  # a parent's handle dropped in the child
             gc.collect()
-            tables = {"pools": dict(_groups._idle), "busy": list(_groups._busy), "states": dict(_groups._states),
-                      "answers": dict(_groups.host_answers), "slots": dict(_staging._slots.by_device),
-                      "pending": dict(_staging._pending), "captures": dict(_replay._captures),
-                      "agreements": dict(_execute._agreements), "copy threads": list(_staging._copy_pool),
+            tables = {"pools": dict(state.idle_pools), "busy": list(state.busy_pools), "states": dict(state.groups),
+                      "answers": dict(state.host_answers), "slots": dict(state.thread.slots),
+                      "pending": dict(state.pending_writes), "captures": dict(state.captures),
+                      "agreements": dict(state.agreements), "copy threads": state.copy_pool,
                       "counters": offload_shim.staging_counters()}
             full = [name for name, table in tables.items() if table]
-            if full or not _staging._unwaited.empty():
-                print("not empty in the child:", full, _staging._unwaited.qsize())
+            if full or not state.unwaited.empty():
+                print("not empty in the child:", full, state.unwaited.qsize())
                 code = 1
             freed = [ref for ref in parents if ref() is None]
             if freed:

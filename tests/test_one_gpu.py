@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import offload_shim
+from offload_shim._state import state
 from bitwise import same_bits
 from conftest import accelerator_rank_pool
 from observe import configured, counting_calls, rss_bytes
@@ -458,7 +459,7 @@ def check_small_calls_replayed():
     dist.broadcast(source, src=0, group=slow)
     start = time.monotonic()
     _replay.forget(slow)
-    assert time.monotonic() - start < 0.5 and _replay._retired, time.monotonic() - start
+    assert time.monotonic() - start < 0.5 and state.retired_captures, time.monotonic() - start
     torch.accelerator.synchronize()
     dist.destroy_process_group(slow)
 
@@ -618,7 +619,7 @@ def check_pageable_memory_registered():
     with configured(register_bytes="36MiB", chunk_bytes="1MiB"):
         first = torch.empty(8 << 18)  # 8 MiB: pipelined in 1 MiB chunks
         check(first)
-        state = lambda: (first.is_pinned(), _registration.registered_bytes(), dict(_registration._registered))  # noqa: E731
+        state = lambda: (first.is_pinned(), _registration.registered_bytes(), dict(state.registered))  # noqa: E731
         assert state()[:2] == (False, 0), state()
         check(first)
         assert state()[:2] == (True, 8 << 20), state()

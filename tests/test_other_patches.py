@@ -19,5 +19,5 @@ def test_other_patches_and_reloads():
     assert lines[0] == "orders of install, user patches, uninstall, reinstall checked: 60", lines
     assert lines[1:] == [
         "a user wrapper without functools.wraps: staged once",
-        "reloads of the package and its stateful modules: settings and wrappers kept",
+        "a reload of the package: settings and wrappers kept",
     ], lines

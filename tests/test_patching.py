@@ -187,16 +187,17 @@ def test_a_child_forked_while_a_lock_is_held_installs_and_imports():
         """
         import os, threading, time, offload_shim
         from offload_shim import _kernels, _patching
+        from offload_shim._state import state
         held, release = threading.Event(), threading.Event()
         def hold():
-            with _patching._lock, _kernels._lock:
+            with state.patching_lock, state.kernels_lock:
                 held.set(); release.wait(30)
         threading.Thread(target=hold, daemon=True).start()
         assert held.wait(5)
         from offload_shim import _counters
-        held_counters = threading.Thread(target=lambda: _counters._lock.acquire() and release.wait(30), daemon=True)
+        held_counters = threading.Thread(target=lambda: state.counters_lock.acquire() and release.wait(30), daemon=True)
         held_counters.start(); time.sleep(0.2)
-        _counters._table[("torch.distributed.all_reduce", "staged", "whole")] = [3, 12, 0.1]  # the parent's
+        state.counters[("torch.distributed.all_reduce", "staged", "whole")] = [3, 12, 0.1]  # the parent's
         pid = os.fork()
         if pid == 0:
             import torch.distributed._functional_collectives  # (its post-import hook takes the patching lock)
@@ -215,28 +216,27 @@ def test_a_child_forked_while_a_lock_is_held_installs_and_imports():
     )
 
 
-def test_a_forked_child_runs_each_reset_once_across_reloads():
-    """Every module's reset runs once in a forked child, however often the modules were reloaded: a reloaded module
-    marks its reset again, and one hook (registered once per process) runs them."""
+def test_a_forked_child_runs_each_reset_once_on_a_renewed_state():
+    """In a forked child the process's state is renewed in place (the same object, every table new) before each
+    reset marked with ``after_fork`` runs, once; the parent keeps its own."""
     python(
         """
-        import importlib, os
-        from offload_shim import _fork, _staging
+        import os
+        from offload_shim import _state
+        from offload_shim._state import state
         runs = []
         def probe():
-            runs.append(1)
-        _fork.after_fork(probe)
-        importlib.reload(_fork); importlib.reload(_staging)
-        _fork.after_fork(probe)  # (as a reloaded module marks its reset again)
-        _staging._copy_pool.append("the parent's copy threads")
+            runs.append(state.copy_pool)
+        _state.after_fork(probe)
+        state.copy_pool = "the parent's copy threads"
         pid = os.fork()
         if pid == 0:
-            os._exit(10 + len(runs) if _staging._copy_pool == [] else 1)
+            os._exit(10 + len(runs) if runs == [None] and _state.state is state else 1)
         status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        assert status == 11, status
+        assert status == 11 and state.copy_pool == "the parent's copy threads", status
+        state.copy_pool = None
         """
     )
-
 
 def test_a_forked_child_finishes_its_own_dropped_handles():
     """A child forked after the parent's writer of dropped handles started makes its own (the parent's thread is not

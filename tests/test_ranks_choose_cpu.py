@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import offload_shim
+from offload_shim._state import state
 import recording
 from bitwise import same_bits
 from observe import configured, counting_calls
@@ -425,26 +426,6 @@ def test_sigint_handler_set_inside_a_staged_call(gloo_ranks):
     assert gloo_ranks.run(check_sigint_handler_set_inside_a_staged_call) == [(True, [2], True)] * 2
 
 
-def test_ctrl_c_held_across_a_reload():
-    """A call holding SIGINT back while ``_interrupts`` is reloaded (another thread's importlib.reload) puts the
-    handler back at its end, and the SIGINT it held is raised then."""
-    import importlib
-    import signal
-
-    from offload_shim import _interrupts
-
-    before = signal.getsignal(signal.SIGINT)
-    _interrupts.hold()
-    try:
-        signal.raise_signal(signal.SIGINT)  # noted
-        importlib.reload(_interrupts)
-    finally:
-        with pytest.raises(KeyboardInterrupt):
-            _interrupts.release()
-    assert signal.getsignal(signal.SIGINT) is before
-    assert _ctrl_c_raises()
-
-
 def check_chunk_size_on_one_rank():
     """Row 4: a chunk size of 1 MiB on rank 0, the default on the others, at their first staged call on a group:
     the same clear error on every rank, before anything is sent; returns the error and how long it took."""
@@ -591,7 +572,7 @@ def check_two_threads_two_groups_opposite_orders(through_cpu: bool = True):
     assert not errors and len(results) == 4 and all(results.values()), (errors, results)
     from offload_shim import _staging
 
-    return _staging.copy_threads(), bool(_staging._copy_pool)
+    return _staging.copy_threads(), state.copy_pool is not None
 
 
 def test_two_threads_on_two_groups_in_opposite_orders(gloo_ranks):
@@ -665,16 +646,16 @@ def check_answer_dropped_with_its_agreement():
         dist.all_reduce(tensor, group=group)
         first = _groups.state_of(group).agreement
         answer = _config.settings().route_min_bytes if first.route else float("inf")
-        seen["kept"] = (len(decided), _groups.host_answers.get(group) == answer)
+        seen["kept"] = (len(decided), state.host_answers.get(group) == answer)
         again = _groups.agree(group, _config.settings(), None, "test", can_route=not first.route)  # every rank alike
-        seen["replaced"] = (again is not first, group in _groups.host_answers)
+        seen["replaced"] = (again is not first, group in state.host_answers)
         _groups.keep_answer(group, _config.settings(), 64, first)  # found from the agreement replaced
-        seen["stale kept"] = group in _groups.host_answers
+        seen["stale kept"] = group in state.host_answers
         dist.all_reduce(tensor, group=group)  # decided: agrees again (as at first) and keeps its answer
         dist.all_reduce(tensor, group=group)
-        seen["again"] = (len(decided), _groups.host_answers.get(group) == answer, tensor.tolist())
+        seen["again"] = (len(decided), state.host_answers.get(group) == answer, tensor.tolist())
     dist.destroy_process_group(group)
-    seen["destroyed"] = group in _groups.host_answers
+    seen["destroyed"] = group in state.host_answers
     return seen
 
 
@@ -709,7 +690,7 @@ def check_answer_not_kept_past_a_configure():
         finally:
             _groups._torch_groups = torch_groups
         assert changed.wait(10)
-        seen["kept"] = group in _groups.host_answers
+        seen["kept"] = group in state.host_answers
         offload_shim.reset_staging_counters()
         tensor = torch.ones(4)
         dist.all_reduce(tensor, group=group)  # under the other thread's settings: staged (forced), as every rank
@@ -736,11 +717,11 @@ def check_answers_of_groups_torch_destroyed():
     offload_shim.install()
     group = dist.new_group(backend="gloo")
     dist.all_reduce(torch.ones(4), group=group)
-    seen = {"kept": group in _groups.host_answers}
+    seen = {"kept": group in state.host_answers}
     offload_shim.uninstall()
     dist.destroy_process_group(group)  # torch's own, the shim not installed
     offload_shim.install()
-    seen["after install"] = group in _groups.host_answers
+    seen["after install"] = group in state.host_answers
     ref = weakref.ref(group)
     del group
     gc.collect()
@@ -749,7 +730,7 @@ def check_answers_of_groups_torch_destroyed():
     other = dist.new_group(backend="gloo")
     dist.destroy_process_group(other)
     _groups.keep_answer(other, _config.settings(), float("inf"))  # found before the destroy, kept after it
-    seen["kept after destroy"] = other in _groups.host_answers
+    seen["kept after destroy"] = other in state.host_answers
     return seen
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from offload_shim import _config, _groups, _registration
+from offload_shim._state import state
 
 MIB = 1 << 20
 CUDA = torch.device("cuda")
@@ -38,7 +39,7 @@ class Driver:
     def cudaHostRegister(self, pointer, nbytes, flags):
         if self.before_register is not None:
             self.before_register(pointer, nbytes)
-        self.calls.append(("register", pointer, nbytes, _registration._lock.locked()))
+        self.calls.append(("register", pointer, nbytes, state.registration_lock.locked()))
         if self.register_error:
             return self.register_error
         if any(start < pointer + nbytes and pointer < start + size for start, size in self.ranges.items()):
@@ -47,7 +48,7 @@ class Driver:
         return 0
 
     def cudaHostUnregister(self, pointer):
-        self.calls.append(("unregister", pointer, _registration._lock.locked()))
+        self.calls.append(("unregister", pointer, state.registration_lock.locked()))
         if self.refuse:
             return self.refuse.pop(0)
         return 0 if self.ranges.pop(pointer, None) is not None else _registration._NOT_REGISTERED
@@ -57,7 +58,7 @@ class Driver:
 
         class Event:
             def synchronize(self):
-                driver.calls.append(("event waited", _registration._lock.locked()))
+                driver.calls.append(("event waited", state.registration_lock.locked()))
 
         return [types.SimpleNamespace(record_event=Event)]
 
@@ -88,14 +89,14 @@ def install(recorded: Driver, patch) -> None:
     patch.setattr(torch.cuda, "synchronize", device_wide)
     patch.setattr(torch.accelerator, "synchronize", device_wide)
     budget(patch, 64 * MIB)
-    _registration._logged_failure = False
+    state.registration_failure_logged = False
 
 
 def forget_everything() -> None:
-    _registration._registered.clear()
-    _registration._pending.clear()
-    _registration._registering.clear()
-    for table in (_registration._seen, _registration._failed, _registration._evicted):
+    state.registered.clear()
+    state.unregistering.clear()
+    state.registering.clear()
+    for table in (state.staged_once, state.registration_failed, state.evicted):
         table.clear()
 
 
@@ -234,7 +235,7 @@ def test_refused_unregistering_kept_for_the_next_safe_point(driver):
     driver.refuse = [_registration._NOT_REGISTERED]
     _registration.drain()
     _registration.drain()
-    assert len(driver.unregistered()) == 3 and not _registration._pending
+    assert len(driver.unregistered()) == 3 and not state.unregistering
 
 
 def test_resized_storage_old_range_unregistered(driver):
@@ -290,7 +291,7 @@ def test_bookkeeping_flat_over_many_calls(driver):
     for _ in range(1000):
         assert not _registration.register_for_staging(torch.ones(1024), CUDA)
     gc.collect()
-    assert _registration.registered_bytes() == 0 and len(_registration._seen) == 0 and driver.calls == []
+    assert _registration.registered_bytes() == 0 and len(state.staged_once) == 0 and driver.calls == []
     reused = torch.ones(1024)
     for _ in range(1000):
         _registration.register_for_staging(reused, CUDA)
@@ -305,14 +306,14 @@ def test_fork_child_neither_uses_nor_undoes_the_parents_registrations(driver):
     before = len(driver.calls)
     child = os.fork()
     if child == 0:  # report through the exit status only
-        ok = not _registration._registered and _registration.registered_bytes() == 0
+        ok = not state.registered and _registration.registered_bytes() == 0
         del tensor
         _registration.drain()
         _registration.unregister_all()
         os._exit(0 if ok and len(driver.calls) == before else 1)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert list(_registration._registered) == [tensor.data_ptr()] and len(driver.calls) == before
+    assert list(state.registered) == [tensor.data_ptr()] and len(driver.calls) == before
 
 
 def test_interruptions_lose_no_registration(driver, monkeypatch):
@@ -370,7 +371,7 @@ def test_interruptions_lose_no_registration(driver, monkeypatch):
         def __setitem__(self, key, value):
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(_registration, "_evicted", Interrupting())
+    monkeypatch.setattr(state, "evicted", Interrupting())
     budget(monkeypatch, MIB)
     with pytest.raises(KeyboardInterrupt):
         _registration.register_for_staging(kept[1], CUDA)
@@ -399,7 +400,7 @@ def test_concurrent_registrations_keep_the_budget_and_do_not_race(driver, monkey
         assert not while_registering(driver, one, lambda: _registration.register_for_staging(one, CUDA))
     registers = [call[1] for call in driver.calls if call[0] == "register"]
     assert registers == [tensors[0].data_ptr(), one.data_ptr()] and one.data_ptr() in driver.ranges, registers
-    assert one.untyped_storage() not in _registration._failed and not caplog.records
+    assert one.untyped_storage() not in state.registration_failed and not caplog.records
     assert _registration.register_for_staging(one, CUDA)
 
 
@@ -412,7 +413,7 @@ def test_failed_registration_gives_back_the_room_it_took(driver, monkeypatch):
     driver.register_error = 1
     assert not registered(c)
     driver.register_error = 0
-    assert a.untyped_storage() not in _registration._evicted and c.untyped_storage() in _registration._failed
+    assert a.untyped_storage() not in state.evicted and c.untyped_storage() in state.registration_failed
     assert registered(a) and _registration.registered_bytes() == 2 * MIB
 
 
@@ -427,8 +428,8 @@ def test_stale_answer_of_a_registration_raced_by_eviction(driver, monkeypatch, c
         answers = while_registering(
             driver, small, lambda: [_registration.register_for_staging(t, CUDA) for t in (large, small, small)])
     assert answers == [False, False, False] and driver.ranges == {small.data_ptr(): MIB}, (answers, driver.ranges)
-    assert list(_registration._registered) == [small.data_ptr()] and not caplog.records
-    assert small.untyped_storage() not in _registration._failed
+    assert list(state.registered) == [small.data_ptr()] and not caplog.records
+    assert small.untyped_storage() not in state.registration_failed
 
 
 def test_budget_counts_ranges_not_yet_undone(driver, monkeypatch):
@@ -512,16 +513,16 @@ def test_an_interruption_at_any_line_loses_no_registration(monkeypatch):
                     interrupted = str(raised)
                 finally:
                     sys.settrace(None)
-                tracked = set(_registration._registered) | {p for p, _, _ in _registration._pending}
+                tracked = set(state.registered) | {p for p, _, _ in state.unregistering}
                 assert set(recorded.ranges) <= tracked, (name, interrupted, recorded.ranges, tracked)
                 keep.clear()
                 budget(patch, 64 * MIB)
                 _registration.drain()
                 _registration.unregister_all()
                 assert recorded.freed_registered == [] and recorded.ranges == {}, (name, interrupted)
-                assert not (_registration._registered or _registration._pending or _registration._registering), (
+                assert not (state.registered or state.unregistering or state.registering), (
                     name, interrupted)
-                assert not _registration._lock.locked(), (name, interrupted)
+                assert not state.registration_lock.locked(), (name, interrupted)
                 forget_everything()
             if interrupted is None:
                 break

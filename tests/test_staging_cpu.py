@@ -19,6 +19,7 @@ import offload_shim
 from bitwise import same_bits
 from observe import configured, counting_calls, recording_staging
 from offload_shim import _devices, _execute, _groups, _staging
+from offload_shim._state import state
 import versions
 
 # ---------------------------------------------------------------- helpers run inside the ranks
@@ -381,7 +382,7 @@ def check_async_pools_of_other_sizes_freed():
                 dist.all_reduce(expected)
             dist.all_reduce(tensor, async_op=True).wait()
             assert same_bits(tensor, expected)
-            idle = [p for (_, sync), pools in _groups._idle.items() if not sync for p in pools]
+            idle = [p for (_, sync), pools in state.idle_pools.items() if not sync for p in pools]
             assert [len(p.slots) for p in idle] == [numel // 4], numel
 
 
@@ -782,7 +783,7 @@ def check_threaded_host_copies():
         dist.all_reduce(tensor)
     assert devices == ["cpu"]
     assert same_bits(tensor, expected)
-    return _staging.copy_threads(), bool(_staging._copy_pool), sorted(_groups.state_of(dist.group.WORLD).lanes)
+    return _staging.copy_threads(), state.copy_pool is not None, sorted(_groups.state_of(dist.group.WORLD).lanes)
 
 
 def test_threaded_host_copies(gloo_ranks):
