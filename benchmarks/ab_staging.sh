@@ -2,14 +2,15 @@
 # The staging benchmark of two trees alternated on one machine (A, B, A, B), each run from its own tree through
 # PYTHONPATH, with nothing installed (an editable install's finder comes before PYTHONPATH, so an installed tree
 # would run on both sides); each run's log says which package it imported.
-#   bash benchmarks/ab_staging.sh OTHER_TREE OUTDIR [SECTIONS]   # OTHER_TREE: e.g. git archive of an older commit
+#   [ROUNDS=N] bash benchmarks/ab_staging.sh OTHER_TREE OUTDIR [SECTIONS]   # OTHER_TREE: e.g. git archive of an older
+#   commit; ROUNDS: pairs of runs (default 2)
 set -u -o pipefail
 other=$(cd "$1" && pwd)
 out=$2
 sections=${3:-copy_limits,small,pageable,duplex}
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   for side in other this; do
     tree=$here
     [ "$side" = other ] && tree=$other

@@ -619,10 +619,10 @@ def check_pageable_memory_registered():
     with configured(register_bytes="36MiB", chunk_bytes="1MiB"):
         first = torch.empty(8 << 18)  # 8 MiB: pipelined in 1 MiB chunks
         check(first)
-        state = lambda: (first.is_pinned(), _registration.registered_bytes(), dict(state.registered))  # noqa: E731
-        assert state()[:2] == (False, 0), state()
+        registration = lambda: (first.is_pinned(), _registration.registered_bytes(), dict(state.registered))  # noqa: E731
+        assert registration()[:2] == (False, 0), registration()
         check(first)
-        assert state()[:2] == (True, 8 << 20), state()
+        assert registration()[:2] == (True, 8 << 20), registration()
         check(first)
         second = torch.empty(8 << 20)  # 32 MiB: fits only once the first is unregistered
         check(second)
