@@ -38,13 +38,12 @@ def _require(name: str, how: str) -> None:
 _require("torch", "pip install torch (https://pytorch.org/get-started/locally/ gives the command for your accelerator)")
 _require("wrapt", "pip install wrapt")
 
-from offload_shim import _counters, _groups, _kernels, _patching, _registration, _replay
+from offload_shim import _counters, _groups, _kernels, _patching, _registration, _replay, _state
 from offload_shim._communicators import register_communicator
 from offload_shim._config import ConfigError, Settings, configure, settings
 from offload_shim._counters import reset_staging_counters, staging_counters
 from offload_shim._devices import StagingError
 from offload_shim._execute import release_buffers
-from offload_shim._state import state
 
 __all__ = [
     "ConfigError",
@@ -88,7 +87,7 @@ def install() -> None:
         logging.getLogger("offload_shim").info("offload_shim: torch.distributed is unavailable; nothing installed")
         return
     targets = _targets()  # (imported before the lock: a module's post-import hook takes it)
-    with state.patching_lock:  # one install or uninstall at a time, whole: never half of each
+    with _state.state.patching_lock:  # one install or uninstall at a time, whole: never half of each
         _patching.install(targets)
         _replay.prune()  # captures of groups destroyed while the shim was not installed
         _groups.prune()  # and their served-path answers
@@ -104,7 +103,7 @@ def uninstall() -> None:
     (modules imported while the shim was installed included), and the caller's storages that staging registered
     (``register_bytes``) are unregistered, once the copies queued on them have run. Removing twice changes
     nothing."""
-    with state.patching_lock:
+    with _state.state.patching_lock:
         _patching.uninstall()
         _kernels.uninstall()
     _registration.unregister_all()  # (the caller's storages pageable again, as before the shim)
