@@ -61,7 +61,8 @@ __all__ = [
     "wrapped_functions",
 ]
 
-logging.getLogger("offload_shim").addHandler(logging.NullHandler())
+if not logging.getLogger("offload_shim").handlers:  # (once: importlib.reload(offload_shim) runs this again)
+    logging.getLogger("offload_shim").addHandler(logging.NullHandler())
 
 # Public exceptions under their public path: tracebacks print offload_shim.StagingError, and pickles (errors sent
 # between processes) name what users import.

@@ -79,7 +79,7 @@ class StagingCount(NamedTuple):
 # see tally(); state.thread.decision: this thread's last decision (route, staging device, (call site, why) where the
 # call is to be logged, perf_counter() at the decision).
 _NO_DECISION = (STAGED, None, None, 0.0)
-_summary_registered = False
+_summary_registered = 0  # the process id that registered the table at exit (0: none yet)
 _log = logging.getLogger("offload_shim")
 
 _SHIM_FILES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__package__], wrapt))
@@ -285,7 +285,10 @@ def summary(counters: Mapping[StagingKey, StagingCount] | None = None, rank: str
 def _summary_at_exit() -> None:
     """At interpreter exit, where ``summary_at_exit`` is set and this process is rank 0 (``RANK`` is 0, or unset):
     the table on standard error, in one write. A process without ``RANK`` that staged nothing prints nothing: a
-    launcher such as torchrun's, which imports torch (and with ``OFFLOAD_SHIM=1`` the shim) but runs no collective."""
+    launcher such as torchrun's, which imports torch (and with ``OFFLOAD_SHIM=1`` the shim) but runs no collective.
+    A child made by ``fork()`` that exits through the interpreter prints nothing: the rank's table is its parent's."""
+    if os.getpid() != _summary_registered:
+        return
     rank = os.environ.get("RANK", "").strip() or None
     if not _config.settings().summary_at_exit or rank not in ("0", None):
         return
@@ -302,5 +305,5 @@ def register_summary_at_exit() -> None:
     with state.counters_lock:
         if _summary_registered:
             return
-        _summary_registered = True
+        _summary_registered = os.getpid()  # (the process that prints it)
     atexit.register(_summary_at_exit)

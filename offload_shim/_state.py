@@ -16,7 +16,7 @@ What stays module-level, each inherited by a forked child as it is, as the child
 ``_communicators._specs`` (the communicators registered); ``_counters._summary_registered``,
 ``_kernels._hooked`` and ``_startup._activated`` (steps done once per process), ``_startup._to_warn`` (start-up's
 warnings, until said); ``_interrupts._replaced`` (the SIGINT handler the shim's note stands in for); and this
-module's own list of resets and of what children keep. Reloading the package's internal modules is not supported (torch's are not reloadable either).
+module's own lists: the resets, what children keep, wrapt's lock while held across a fork. Reloading the package's internal modules is not supported (torch's are not reloadable either).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import ctypes
 import itertools
 import os
 import queue
+import sys
 import threading
 import weakref
 from typing import Callable
@@ -134,11 +135,34 @@ def after_fork(reset: Callable[[], None]) -> Callable[[], None]:
     return reset
 
 
+# Held across fork() by the forking thread, so that no other thread is part way through them at the fork (a child
+# would be left half-installed, or with wrapt's lock held for ever, stopping its first import): install() and
+# uninstall() (the patching lock), and the import hooks the shim registers with wrapt (wrapt's own lock; a private
+# name of wrapt's, where it has one). Taken in the order install() takes them.
+_held: list = []  # wrapt's lock while this thread holds it across a fork
+
+
+def _before() -> None:
+    state.patching_lock.acquire()
+    lock = getattr(sys.modules.get("wrapt.importer"), "_post_import_hooks_lock", None)
+    if lock is not None:
+        lock.acquire()
+        _held.append(lock)
+
+
+def _in_parent() -> None:
+    while _held:
+        _held.pop().release()
+    state.patching_lock.release()
+
+
 def _in_child() -> None:
-    state.renew()
+    while _held:
+        _held.pop().release()  # (this thread's, as in the parent: the child runs on the forking thread)
+    state.renew()  # (the old patching lock, held by this thread, is kept with the rest; the new one is free)
     for reset in _after_fork:
         reset()
 
 
 if hasattr(os, "register_at_fork"):  # (not on Windows)
-    os.register_at_fork(after_in_child=_in_child)
+    os.register_at_fork(before=_before, after_in_parent=_in_parent, after_in_child=_in_child)

@@ -96,3 +96,104 @@ def test_a_forked_child_starts_empty_and_keeps_what_its_parent_held():
         """,
         env={"OMP_NUM_THREADS": "1"},
     )
+
+
+def test_a_fork_waits_for_an_install_under_way_in_another_thread():
+    """A thread is part way through ``install()`` (held for half a second after its fifth binding, inside the
+    patching lock) when the main thread forks: the fork waits for it, and the child has every wrapper and kernel the
+    parent has; likewise for ``uninstall()``, after which the child has none. Unchecked, the child was left with 4
+    of 40 wrappers, and ``install()`` there changed nothing."""
+    python(
+        """
+        import os, sys, threading, time
+        import torch, torch.distributed._functional_collectives
+        import offload_shim
+        from offload_shim import _kernels, _patching
+        offload_shim.uninstall()
+        for step in (offload_shim.install, offload_shim.uninstall):
+            paused, count = threading.Event(), [0]
+            def tracer(frame, event, arg):
+                if event == "call" and frame.f_code in (_patching._apply.__code__, _patching._remove.__code__):
+                    count[0] += 1
+                    if count[0] == 5:
+                        paused.set()
+                        time.sleep(0.5)
+            def run(step=step):
+                sys.settrace(tracer)
+                step()
+                sys.settrace(None)
+            thread = threading.Thread(target=run)
+            thread.start()
+            assert paused.wait(30)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(10 * offload_shim.is_installed() + (len(offload_shim.wrapped_functions()) > 0)
+                         + 2 * _kernels.is_installed())
+            thread.join()
+            expected = 13 if step is offload_shim.install else 0
+            status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            assert status == expected, (step.__name__, status, expected)
+        """,
+        env={"OMP_NUM_THREADS": "1", "OFFLOAD_SHIM": "0"},
+    )
+
+
+def test_a_child_forked_during_a_hooked_import_imports():
+    """A thread is importing a module the shim wraps when imported, inside wrapt's notification with wrapt's lock
+    held, when the main thread forks: the fork waits for it, and the child's own first import of a new module returns.
+    Unchecked, the child waited for wrapt's lock for ever."""
+    python(
+        """
+        import os, sys, threading, time
+        import torch, offload_shim
+        import wrapt.importer
+        lock, paused = wrapt.importer._post_import_hooks_lock, threading.Event()
+        def held(frame, event, arg):  # a line of wrapt's notify_module_loaded run with its lock held
+            if event == "line" and lock._is_owned() and not paused.is_set():
+                paused.set()
+                time.sleep(0.5)
+                return None
+            return held
+        def tracer(frame, event, arg):
+            return held if frame.f_code is wrapt.importer.notify_module_loaded.__code__ else None
+        def run():
+            sys.settrace(tracer)
+            import torch.distributed._functional_collectives
+            sys.settrace(None)
+        thread = threading.Thread(target=run)
+        thread.start()
+        assert paused.wait(60)
+        pid = os.fork()
+        if pid == 0:
+            import json.tool, fractions  # (not imported before)
+            os._exit(0)
+        thread.join()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            raise AssertionError("the child's import waited for ever")
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        """,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_a_forked_child_prints_no_summary_of_its_own():
+    """``OFFLOAD_SHIM_SUMMARY`` on rank 0: a child made by ``fork()`` that exits through the interpreter prints no
+    table (the rank's table is its parent's, printed once, at the parent's exit)."""
+    result = python(
+        """
+        import os, sys
+        import offload_shim
+        if os.fork() == 0:
+            sys.exit(0)
+        os.wait()
+        """,
+        env={"OMP_NUM_THREADS": "1", "OFFLOAD_SHIM_SUMMARY": "1", "RANK": "0"},
+    )
+    assert result.stderr.count("offload_shim") == 1, result.stderr
