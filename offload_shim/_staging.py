@@ -474,7 +474,7 @@ class _Completion:
 
     def __init__(self, works, finish: Callable[[], None], done=None, error=None):
         self.works, self.finish, self.done, self.error = works, finish, done, error
-        self.process = os.getpid()  # (a forked child never finishes its parent's calls)
+        self.process = os.getpid()  # (a forked child's writer never takes its parent's calls: _dropped)
         self.finished = False
         self.waited = 0  # how many of the works have been waited
         self.token = None  # of expect_writes
