@@ -74,16 +74,15 @@ def mutable_names(source: str) -> set[str]:
 
 
 def static(package: pathlib.Path) -> dict:
-    modules = sorted(package.glob("*.py"))
-    lines = sum(len(path.read_text().splitlines()) for path in modules)
-    names = {path.name: sorted(mutable_names(path.read_text())) for path in modules}
+    sources = {path.name: path.read_text() for path in sorted(package.glob("*.py"))}
+    names = {module: sorted(mutable_names(source)) for module, source in sources.items()}
     names = {module: found for module, found in names.items() if found}
     return {
-        "lines": lines,
-        "modules": len(modules),
+        "lines": sum(len(source.splitlines()) for source in sources.values()),
+        "modules": len(sources),
         "mutable_names": sum(map(len, names.values())),
         "modules_with_mutable_names": len(names),
-        "globals_get": sum(path.read_text().count("globals().get(") for path in modules),
+        "globals_get": sum(source.count("globals().get(") for source in sources.values()),
         "mutable_names_by_module": names,
     }
 
