@@ -30,14 +30,13 @@ def main() -> None:
 
     import offload_shim
     from bench_wrapper_cpu import device_and_size, one_rank_groups
-    from offload_shim import _groups, _table, _wrappers
-    from offload_shim._state import state
+    from offload_shim import _devices, _table, _wrappers
 
     two = one_rank_groups()
     offload_shim.install()
     tensor = torch.ones(1)
     dist.all_reduce(tensor, group=two)  # the group's answer, kept
-    state.host_answers[two] = 1 << 20  # as where the accelerator's backend takes host calls from 1 MiB
+    _devices.record(two).below = 1 << 20  # as where the accelerator's backend takes host calls from 1 MiB
     function = dist.all_reduce.__wrapped__
     bodies = {
         "shim": _wrappers.c10d_wrapper(_table.C10D["all_reduce"])(function, [True]),

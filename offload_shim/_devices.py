@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import warnings
 import weakref
 
@@ -35,48 +36,105 @@ class StagingError(RuntimeError):
     """
 
 
-def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
-    """Device types (``"cpu"``, ``"cuda"``, ...) that have a backend registered on ``group``. Cached per group:
-    a group's backends are fixed when it is made, and this is on every collective's path (the last group's
-    answer first: a loop of calls on one group asks about it alone)."""
-    last, served = state.last_served
-    if last() is group:
-        return served
-    served = state.served.get(group)
-    if served is None:
+class Group:
+    """What offload_shim knows and keeps of one process group: one record (:func:`record`), read once where the group
+    is first met, since a group's backends are fixed when it is made, and read by the served path and the decision
+    alike.
+
+    Read once: ``served`` (the device types it has a backend for), ``backends`` (device type -> backend name,
+    ``'gloo'``, ``'nccl'``, ...), ``description`` (torch's backend string, ``'cpu:gloo,cuda:nccl'``), ``cpu`` (the
+    backend that serves the host, or ``None``), ``plain`` (one backend serves the host and every other device type:
+    nothing to route a host tensor to), ``ordered`` (device type -> whether that backend orders its collectives on
+    the device's streams, as torch records in ``Backend.backend_capability``: one that serves the accelerator only),
+    ``nccl`` (an NCCL-only group whose small calls CUDA graphs may replay), ``store`` (the group's own store) and
+    ``bound`` (``ProcessGroup.bound_device_id``). Kept as calls go: the ranks' ``agreement`` and its ``lock``, the
+    copy ``lanes``, ``out_of_step`` (why its collectives no longer pair alike), the served path's ``below`` (the size
+    below which its host-only calls go to torch, ``None`` until found), ``device`` (``(settings, device)``: the
+    staging device fixed by the group and those settings), and whether ``passed`` (its calls go to torch, logged)."""
+
+    __slots__ = ("ref", "served", "backends", "description", "cpu", "plain", "ordered", "nccl", "store", "bound",
+                 "lock", "agreement", "lanes", "out_of_step", "below", "device", "passed", "__weakref__")
+
+    def __init__(self, group: dist.ProcessGroup, ref):
+        self.ref = ref
+        self.description = backend_description(group)
         devices = getattr(group, "_device_types", None)
+        capability = dist.Backend.backend_capability
         if devices:
-            served = frozenset(d.type for d in devices)
+            self.served = frozenset(d.type for d in devices)
         else:  # no record of its own: what torch recorded for its backends when they were registered
-            capability = dist.Backend.backend_capability
-            served = frozenset(t for name in _backend_names(group) for t in capability.get(name, ()))
-        try:
-            state.served[group] = served
-        except TypeError:  # a group type without weak references: not cached
-            return served
-    state.last_served = (weakref.ref(group), served)
-    return served
+            names = [part.split(":")[-1].strip().lower() for part in self.description.split(",")]
+            self.served = frozenset(t for name in names for t in capability.get(name, ()))
+        self.backends = {t: _backend_named(self.description, t) for t in self.served}
+        self.cpu = self.backends.get("cpu")
+        self.plain = self.cpu is not None and all(name == self.cpu for name in self.backends.values())
+        self.ordered = {t: "cpu" not in capability.get(name or "", ("cpu",)) for t, name in self.backends.items()}
+        self.nccl = self.description.lower() == "nccl" and dist.get_debug_level() != dist.DebugLevel.DETAIL
+        entry = getattr(dist.distributed_c10d._world, "pg_map", {}).get(group)
+        self.store = None if entry is None else entry[1]  # a prefix of the job's store no other group shares
+        self.bound = getattr(group, "bound_device_id", None)
+        self.lock = threading.Lock()
+        self.agreement = None
+        self.lanes: dict = {}
+        self.out_of_step: str | None = None
+        self.below: float | None = None
+        self.device = None
+        self.passed = False
+
+
+def _backend_named(description: str, device_type: str) -> str | None:
+    if ":" not in description:
+        return description.lower()
+    for part in description.split(","):
+        kind, _, name = part.partition(":")
+        if kind.strip() == device_type:
+            return name.strip().lower()
+    return None
+
+
+def record(group: dist.ProcessGroup) -> Group:
+    """The record of ``group`` (:class:`Group`), made at its first use. Records are kept by the group's identity
+    (``state.groups``) and never keep a group alive: one goes with its group, or with ``forget``."""
+    found = state.groups.get(id(group))
+    if found is not None and found.ref() is group:
+        return found
+    with state.groups_lock:
+        found = state.groups.get(id(group))
+        if found is None or found.ref() is not group:
+            key, groups = id(group), state.groups
+            try:  # freed, the group's record goes from the table it is in (unless another group's is there now)
+                ref = weakref.ref(group, lambda gone: groups.get(key) is not None and groups[key].ref is gone
+                                  and groups.pop(key, None))
+            except TypeError:  # a group type without weak references: kept until forgotten
+                ref = lambda: group  # noqa: E731
+            found = groups[key] = Group(group, ref)
+    return found
+
+
+def forget(group: dist.ProcessGroup | None = None) -> list[Group]:
+    """Drop the record of ``group`` (of every group for ``None``) and return what was dropped."""
+    with state.groups_lock:
+        if group is None:
+            dropped = list(state.groups.values())
+            state.groups.clear()
+            return dropped
+        found = state.groups.get(id(group))
+        if found is None or found.ref() is not group:
+            return []
+        return [state.groups.pop(id(group))]
+
+
+def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
+    """Device types (``"cpu"``, ``"cuda"``, ...) that have a backend registered on ``group``: its own record
+    (``ProcessGroup._device_types``), else ``Backend.backend_capability`` for its backends' names."""
+    return record(group).served
 
 
 def host_calls_served(group: dist.ProcessGroup) -> bool:
     """Whether every call on ``group`` goes to torch untouched, whatever its host tensors, under the current
-    settings: the group serves CPU through the same backend as every other device type it serves (a plain Gloo
-    group: no other backend to route a host tensor to, none to stage a mixed call's host tensors through), and
-    ``always_stage`` is off. The served path's first question about a group: the answer for the last group and
-    settings asked is kept, so a call on a Gloo group costs two identity checks more than torch's."""
-    settings = _config.settings()
-    last, last_settings, answer = state.last_host_answer
-    if last() is group and last_settings is settings:
-        return answer
-    cpu = backend_for(group, "cpu")
-    answer = cpu is not None and not settings.always_stage and all(
-        backend_for(group, t) == cpu for t in served_device_types(group)
-    )
-    try:
-        state.last_host_answer = (weakref.ref(group), settings, answer)
-    except TypeError:  # a group type without weak references: not remembered
-        pass
-    return answer
+    settings: one backend serves CPU and every other device type of the group (a plain Gloo group: no other backend
+    to route a host tensor to, none to stage a mixed call's host tensors through), and ``always_stage`` is off."""
+    return record(group).plain and not _config.settings().always_stage
 
 
 def backend_description(group: dist.ProcessGroup) -> str:
@@ -85,13 +143,6 @@ def backend_description(group: dist.ProcessGroup) -> str:
         return str(dist.get_backend(group))
     except Exception:  # a group torch does not know by handle (never expected): describe what we can
         return "unknown"
-
-
-def _backend_names(group: dist.ProcessGroup) -> list[str]:
-    names = []
-    for part in backend_description(group).split(","):
-        names.append(part.split(":")[-1].strip().lower())
-    return names
 
 
 def unreadable(group: dist.ProcessGroup) -> bool:
@@ -108,11 +159,9 @@ def unreadable(group: dist.ProcessGroup) -> bool:
 
 def passed_through(group: dist.ProcessGroup, why: str) -> None:
     """Say once per group, in one log line, that its calls go to torch untouched, never staged, and ``why``."""
-    if group not in state.passed_through:
-        try:
-            state.passed_through[group] = True
-        except TypeError:  # a group type without weak references: said each time
-            pass
+    found = record(group)
+    if not found.passed:
+        found.passed = True
         _log.warning("offload_shim: process group %s with backend %r: its calls go to torch untouched, never staged: "
                      "%s", group_label(group), backend_description(group), why)
 
@@ -180,7 +229,7 @@ def staging_device(group: dist.ProcessGroup, served: frozenset[str], settings) -
     device = settings.staging_device
     fixed = device is not None
     if device is None:
-        bound = getattr(group, "bound_device_id", None)
+        bound = record(group).bound
         fixed = bound is not None and bound.type in served
         device = bound if fixed else _accelerator_device(served)
     if device is not None and device.type != "cpu" and not _usable(device):
@@ -204,29 +253,13 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
             return group._get_backend(torch.device(device_type)).options._timeout
         except Exception:  # a backend without that record (a Python one)
             continue
-    store = group_store(group)
+    store = record(group).store
     return getattr(store, "timeout", None) or datetime.timedelta(minutes=30)
 
 
-def group_store(group: dist.ProcessGroup):
-    """The group's own store (a prefix of the job's store that no other group shares), or ``None``."""
-    entry = getattr(dist.distributed_c10d._world, "pg_map", {}).get(group)
-    return None if entry is None else entry[1]
-
-
 def backend_for(group: dist.ProcessGroup, device_type: str) -> str | None:
-    """Name of the backend that serves ``device_type`` on ``group`` (``'gloo'``, ``'nccl'``, ...), from the group's
-    backend string (``'cpu:gloo,cuda:nccl'``, or one name for every device type it serves)."""
-    if device_type not in served_device_types(group):
-        return None
-    description = backend_description(group)
-    if ":" not in description:
-        return description.lower()
-    for part in description.split(","):
-        kind, _, name = part.partition(":")
-        if kind.strip() == device_type:
-            return name.strip().lower()
-    return None
+    """Name of the backend that serves ``device_type`` on ``group`` (``'gloo'``, ``'nccl'``, ...), or ``None``."""
+    return record(group).backends.get(device_type)
 
 
 # Where a backend serves an accelerator's tensors for some collectives only, the collectives it runs on them, by
@@ -288,44 +321,18 @@ _NOT_THROUGH_HOST = frozenset({"cpu", "meta"})
 
 def serves_accelerator(group: dist.ProcessGroup, device_type: str, collective: str) -> bool:
     """Whether ``group`` runs ``collective`` on tensors of accelerator ``device_type`` itself: a backend serves that
-    device type, for this collective (:data:`PARTLY_SERVED`). Cached per group: it is asked on every call of an
-    accelerator tensor."""
-    answers = state.accelerator_served.get(group)
-    if answers is None:
-        answers = {}
-        try:
-            state.accelerator_served[group] = answers
-        except TypeError:  # a group type without weak references: not cached
-            pass
-    answer = answers.get((device_type, collective))
-    if answer is None:
-        only = PARTLY_SERVED.get((backend_for(group, device_type), device_type))
-        answer = answers[(device_type, collective)] = device_type in served_device_types(group) and (
-            only is None or collective in only
-        )
-    return answer
+    device type, for this collective (:data:`PARTLY_SERVED`)."""
+    found = record(group)
+    only = PARTLY_SERVED.get((found.backends.get(device_type), device_type))
+    return device_type in found.served and (only is None or collective in only)
 
 
-# (weak reference to a group, device type, collective, the settings then, the answer)
 def accelerator_call_served(group: dist.ProcessGroup, device_type: str, collective: str) -> bool:
     """Whether a call of ``collective`` on ``group`` with tensors of ``device_type`` (not the host's) goes to torch
     untouched: host staging is off, the group runs it on them, or it serves no CPU either. The served path's question
-    for the accelerator's own calls (FSDP2's gathers, a training loop's all_reduce): the last answer is kept."""
-    settings = _config.settings()
-    last, last_type, last_collective, last_settings, answer = state.last_accelerator
-    if last() is group and last_type == device_type and last_collective == collective and last_settings is settings:
-        return answer
-    answer = (
-        not settings.host_staging
-        or device_type in _NOT_THROUGH_HOST
-        or serves_accelerator(group, device_type, collective)
-        or "cpu" not in served_device_types(group)
-    )
-    try:
-        state.last_accelerator = (weakref.ref(group), device_type, collective, settings, answer)
-    except TypeError:  # a group type without weak references: not remembered
-        pass
-    return answer
+    for the accelerator's own calls (FSDP2's gathers, a training loop's all_reduce)."""
+    return (not _config.settings().host_staging or device_type in _NOT_THROUGH_HOST
+            or serves_accelerator(group, device_type, collective) or "cpu" not in record(group).served)
 
 
 def unstaged_layout(tensor, group, collective: str, served) -> None:

@@ -44,7 +44,7 @@ from offload_shim import _counters, _devices, _groups, _interrupts, _registratio
 from offload_shim._devices import StagingError, group_label
 from offload_shim._plan import C10D, Chunks, Plan
 from offload_shim._state import state
-from offload_shim._table import AFTER_THE_WIRE, AUTOGRAD, BOTH, ELEMENTWISE, NONE, READ, WRITE, overlapping
+from offload_shim._table import AFTER_THE_WIRE, AUTOGRAD, BATCH, BOTH, ELEMENTWISE, NONE, READ, WRITE, overlapping
 
 _log = logging.getLogger("offload_shim")
 
@@ -186,6 +186,8 @@ def _whole(plan: Plan, caller):
     """The call on its tensors staged whole (see the module docstring)."""
     call = plan.call
     entry = call.entry
+    if entry is BATCH:
+        return _batch(plan, caller)
     staged = _staging.StagedArguments(plan.device, plan.source)
     replaced = {}
     for arg in entry.args:
@@ -206,6 +208,31 @@ def _whole(plan: Plan, caller):
         return call.values[_written(entry)]
     single = len(entry.args) == 1 and isinstance(call.values.get(entry.args[0].name), torch.Tensor)
     return staged.complete(result, [call.values[entry.args[0].name]] if single else None)
+
+
+def _batch(plan: Plan, caller):
+    """``batch_isend_irecv`` with each operation's tensor staged whole: a send's read, a receive's written."""
+    operations = caller.operations
+    staged = [_staging.StagedArguments(plan.device, plan.source) for _ in operations]
+    tensors = [arguments.stage(operation.tensor, reads=sends, writes=not sends)
+               for operation, arguments in zip(operations, staged)
+               for sends in [operation.op is dist.distributed_c10d.isend]]
+    with _staging.staged_call():
+        works = caller.call(tensors)
+    if len(works) == len(operations):  # one work per operation (Gloo): each handle finishes its own receive
+        return [_staging.StagedWork([w], a.copy_back, a.callers(), pairs=a.pairs) for w, a in zip(works, staged)]
+
+    def copy_back():
+        for arguments in staged:
+            arguments.copy_back()
+
+    if not works:  # nothing to wait for
+        copy_back()
+        return works
+    # One work for the batch (NCCL coalesces it): one handle, at every position, that waits the batch once and
+    # copies every receive back.
+    return [_staging.StagedWork(works, copy_back, [t for a in staged for t in a.callers()],
+                                pairs=[pair for a in staged for pair in a.pairs])] * len(works)
 
 
 def _written(entry) -> str:
@@ -662,16 +689,7 @@ def _stream_ordered(group, device) -> bool:
     handle's ``wait()`` makes the current stream wait, and returns at once): one that serves that accelerator only
     (NCCL, HCCL, XCCL), as torch records its backends (``Backend.backend_capability``). One that also serves the
     host (Gloo, MPI, UCC) runs them from the host, and its ``wait()`` blocks."""
-    if device.type == "cpu":
-        return False
-    known = state.stream_ordered.get(group)
-    if known is None:
-        known = state.stream_ordered[group] = {}
-    ordered = known.get(device.type)
-    if ordered is None:  # a group's backends are fixed when it is made: read once
-        name = _devices.backend_for(group, device.type)
-        ordered = known[device.type] = "cpu" not in dist.Backend.backend_capability.get(name or "", ("cpu",))
-    return ordered
+    return device.type != "cpu" and _devices.record(group).ordered.get(device.type, False)
 
 
 def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back_out, cuts=None):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import threading
 import time
 
 import torch
@@ -58,70 +57,35 @@ class _Agreement:
     generation: int = 0  # agreements this process made on the group (every rank makes them at the same calls)
 
 
-class _State:
-    """What is kept for one process group (``state.groups``): its agreement, its copy lanes, and whether its ranks'
-    collectives still pair alike."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.agreement = _Agreement()
-        self.lanes: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-        self.out_of_step: str | None = None  # why the group's collectives no longer pair alike on every rank
-
-
-# The served path's answers for host tensors, by process group (``state.host_answers``): the size in bytes below which a host-only chunkable
-# call of one tensor on the group goes to torch untouched (``math.inf``: every size, the tensor is not read; 0: none,
-# every call is decided). Found by ``_plan.host_answer`` and ``_plan``'s decisions; dropped with what they were
-# found from: the group's agreement (replaced by :func:`agree`), the group (:func:`forget`, and :func:`prune` for
-# groups torch destroyed without the shim), the settings (every configure()). Every change to it is made under
-# ``state.answers_lock``, an answer kept only after its sources are checked, under the lock, to be still in force;
-# the wrappers read it without a lock (one dict lookup).
-MAX_ANSWERS = 1024  # groups with answers kept; past it, those torch no longer has are dropped, then all
+# The served path's answer for host tensors (a group's record's ``below``): the size in bytes below which a host-only
+# chunkable call of one tensor on the group goes to torch untouched (``math.inf``: every size, the tensor is not read;
+# 0: none, every call is decided). Found by ``_plan.host_answer`` and ``_plan``'s decisions; dropped with what it was
+# found from: the group's agreement (replaced by :func:`agree`), the group (:func:`forget`), the settings (every
+# configure()). Every change to it is made under ``state.answers_lock``, an answer kept only after its sources are
+# checked, under the lock, to be still in force; the wrappers read it without a lock (one attribute).
 
 
 def drop_answers(group: dist.ProcessGroup | None = None) -> None:
     """Drop the served path's answer for ``group`` (for every group: ``None``)."""
     with state.answers_lock:
-        if group is None:
-            state.host_answers.clear()
-        else:
-            state.host_answers.pop(group, None)
+        for found in list(state.groups.values()) if group is None else [_devices.record(group)]:
+            found.below = None
 
 
 _config.on_change(drop_answers)  # (configure() puts the new settings in force first)
 
 
 def keep_answer(group: dist.ProcessGroup, settings, below: float, agreement=None) -> None:
-    """Keep ``below`` as the served path's answer for ``group`` (``state.host_answers``), found under ``settings``
-    and, where it depends on the ranks' agreement, ``agreement``: unless either is no longer in force, or torch no
-    longer has the group (destroyed meanwhile)."""
-    try:
-        record = None if agreement is None else state_of(group)
-        with state.answers_lock:
-            if settings is not _config.settings() or record is not None and record.agreement is not agreement:
-                return
-            groups = _torch_groups()
-            if groups is not None and group not in groups:
-                return
-            if len(state.host_answers) >= MAX_ANSWERS:
-                _prune(groups)
-                if len(state.host_answers) >= MAX_ANSWERS:
-                    state.host_answers.clear()
-            state.host_answers[group] = below
-    except TypeError:  # a group that cannot be a key: decided at every call
-        pass
-
-
-def prune() -> None:
-    """Drop the answers of groups torch no longer has (destroyed while the shim was not installed)."""
+    """Keep ``below`` as the served path's answer for ``group``, found under ``settings`` and, where it depends on
+    the ranks' agreement, ``agreement``: unless either is no longer in force, or torch no longer has the group
+    (destroyed meanwhile)."""
+    found = _devices.record(group)
     with state.answers_lock:
-        _prune(_torch_groups())
-
-
-def _prune(groups) -> None:  # under state.answers_lock
-    if groups is not None:
-        for group in [group for group in state.host_answers if group not in groups]:
-            del state.host_answers[group]
+        if settings is not _config.settings() or agreement is not None and found.agreement is not agreement:
+            return
+        groups = _torch_groups()
+        if groups is None or group in groups:
+            found.below = below
 
 
 def _torch_groups():
@@ -130,31 +94,25 @@ def _torch_groups():
     return getattr(dist.distributed_c10d._world, "pg_map", None)
 
 
-def state_of(group: dist.ProcessGroup) -> _State:
-    """What the shim keeps for ``group`` (made at its first use); its ``agreement`` is the ranks' agreement in force
-    (replaced, not changed, when the ranks agree again)."""
-    record = state.groups.get(group)
-    if record is None:
-        with state.groups_lock:
-            record = state.groups.get(group)
-            if record is None:
-                record = state.groups[group] = _State()
-    return record
+def prune() -> None:
+    """Drop the records of groups torch no longer has (destroyed while the shim was not installed)."""
+    groups = _torch_groups()
+    if groups is not None:
+        for found in list(state.groups.values()):
+            group = found.ref()
+            if group is not None and group not in groups:
+                forget(group)
 
 
 def out_of_step(group) -> str | None:
     """Why ``group``'s collectives may no longer pair alike on every rank (:func:`mark_out_of_step`), or ``None``."""
-    try:
-        record = state.groups.get(group)
-    except TypeError:  # (not a group)
-        return None
-    return None if record is None else record.out_of_step
+    return _devices.record(group).out_of_step
 
 
 def mark_out_of_step(group: dist.ProcessGroup, why: str) -> None:
     """Record that ``group``'s ranks issued collectives that did not match (``why``): every later staged call on it
     is refused, until the group is destroyed (:func:`forget`)."""
-    state_of(group).out_of_step = why
+    _devices.record(group).out_of_step = why
 
 
 def _fingerprint(settings, unable: str | None, can_route: bool) -> tuple:
@@ -183,18 +141,19 @@ def agree(group: dist.ProcessGroup, settings, unable: str | None, collective: st
         StagingError: the ranks' settings differ (the same message on every rank), or a rank did not reach its
             agreement within the group's timeout; before anything of the call was sent.
     """
-    record = state_of(group)
+    record = _devices.record(group)
     agreement = record.agreement
-    if agreement.settings is settings and agreement.mine == _fingerprint(settings, unable, can_route):
+    if agreement is not None and agreement.settings is settings and agreement.mine == _fingerprint(
+            settings, unable, can_route):
         return agreement
     with record.lock:
         mine = _fingerprint(settings, unable, can_route)
         agreement = record.agreement
-        if agreement.mine != mine:
-            generation = agreement.generation + 1
+        if agreement is None or agreement.mine != mine:
+            generation = (0 if agreement is None else agreement.generation) + 1
             try:
                 _interrupts.hold()  # from here to the end of the call it is for (_interrupts)
-                agreement = _exchange(group, generation, mine, unable, collective)
+                agreement = _exchange(group, record, generation, mine, unable, collective)
             except BaseException:  # every rank raised at this generation: the next agreement takes the next one
                 record.agreement = _Agreement(generation=generation)
                 drop_answers(group)
@@ -210,12 +169,12 @@ class Unagreeable(Exception):
     implemented"): its ranks cannot agree, so nothing is staged on the group (``_plan.decide``)."""
 
 
-def _exchange(group, generation: int, mine: tuple, unable: str | None, collective: str) -> _Agreement:
+def _exchange(group, record, generation: int, mine: tuple, unable: str | None, collective: str) -> _Agreement:
     size = group.size()
     if size == 1:
         return _Agreement(mine=mine, route=mine[-1], unable={} if unable is None else {0: unable},
                           generation=generation)
-    store = _devices.group_store(group)
+    store = record.store
     if store is None:  # a group torch keeps no store for: nothing to compare through
         return _Agreement(mine=mine, route=False, generation=generation)
     keys = [f"offload_shim/agreement/{generation}/{rank}" for rank in range(size)]
@@ -368,7 +327,7 @@ def lane(group: dist.ProcessGroup, name: str) -> concurrent.futures.ThreadPoolEx
     """The group's copy lane ``name`` (one thread, made at first use): ``"in"``, host copies into bounce buffers;
     ``"out"``, out of them; ``"done"``, the completion of asynchronous chunked calls. Tasks of one lane run in the
     order submitted; the lanes of two groups never wait for each other."""
-    record = state_of(group)
+    record = _devices.record(group)
     with record.lock:
         executor = record.lanes.get(name)
         if executor is None:
@@ -401,17 +360,11 @@ def copy_streams() -> list:
 
 
 def forget(group: dist.ProcessGroup | None = None) -> None:
-    """Drop what is kept for ``group`` (every group for ``None``): its agreement, its served-path answer and its
-    lanes (their threads end once their tasks are done)."""
-    with state.groups_lock:
-        dropped = list(state.groups.values()) if group is None else [state.groups.pop(group, None)]
-        if group is None:
-            state.groups.clear()
-    drop_answers(group)
-    for record in dropped:
-        if record is not None:
-            for executor in record.lanes.values():
-                executor.shutdown(wait=False)
+    """Drop what is kept for ``group`` (every group for ``None``): its record, with its agreement, its served-path
+    answer and its lanes (their threads end once their tasks are done)."""
+    for record in _devices.forget(group):
+        for executor in record.lanes.values():
+            executor.shutdown(wait=False)
 
 
 def release() -> None:

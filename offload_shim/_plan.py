@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import weakref
 import zlib
 
 import torch
@@ -155,11 +154,6 @@ class Plan:
     chunks: Chunks | None = None
 
 
-# state.last_device: the last group whose host tensors were staged through a device fixed by the group and the
-# settings: (weak reference to the group, the settings then, the device). Calls on that group under those settings
-# need not resolve the device again: a small staged call costs little more than its decision.
-
-
 def decide(call: Call) -> Plan | None:
     """The plan for ``call`` (see the module docstring); ``None``: torch's own call, untouched.
 
@@ -193,9 +187,13 @@ def _decide(call: Call, group) -> Plan | None:
     settings = _config.settings()
     if not host:
         return _through_host(call, tensors, settings)
-    last, last_settings, device = state.last_device
+    # A group whose host tensors were staged through a device fixed by the group and the settings (its record's
+    # ``device``): calls under those settings need not resolve the device again.
+    record = _devices.record(group)
+    fixed = record.device
     others = len(host) < len(tensors)
-    if last() is group and last_settings is settings and not others and all(map(_staging.needs_staging, host)):
+    if fixed is not None and fixed[0] is settings and not others and all(map(_staging.needs_staging, host)):
+        device = fixed[1]
         if call.entry.chunkable:
             _groups.agree(group, settings, None, call.entry.label)  # agreed before, under these settings
         return _stage(call, device, _counters.STAGED, settings, host, tensors)  # as decided below before
@@ -231,16 +229,13 @@ def _decide(call: Call, group) -> Plan | None:
     if device is None:
         raise StagingError(_devices.unstageable_message(host[0], group, call.entry.label, served, why))
     if fixed:
-        try:
-            state.last_device = (weakref.ref(group), settings, device)
-        except TypeError:  # a group type without weak references: not remembered
-            pass
+        record.device = (settings, device)
     return _stage(call, device, _counters.STAGED, settings, host, tensors)
 
 
 def host_answer(given) -> float:
     """The served path's answer for host tensors on ``given`` (the group argument as the caller gave it: ``None``
-    for the default group), found and kept (``state.host_answers``) where the wrapper has none: the size in bytes
+    for the default group), found and kept (its record's ``below``) where the wrapper has none: the size in bytes
     below which a host-only chunkable call of one tensor goes to torch untouched under the settings in force.
     ``math.inf`` (every size) where there is no process group (torch raises, or returns without communicating) or
     one backend serves everything the group serves (a plain Gloo group) and nothing forces staging; otherwise 0

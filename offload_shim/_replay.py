@@ -47,7 +47,7 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
-from offload_shim import _config, _counters, _interrupts, _staging
+from offload_shim import _config, _counters, _devices, _interrupts, _staging
 from offload_shim._state import state
 
 MAX_BYTES = 64 << 10  # larger calls take the slot path: copy time, not launches, is what they cost
@@ -186,11 +186,7 @@ def _found(tensor: torch.Tensor, group, call: tuple) -> _Capture | None:
 def _replayable(group: dist.ProcessGroup, device: torch.device) -> bool:
     if device.type != "cuda" or not _config.settings().graphs:
         return False
-    known = state.nccl_groups.get(id(group))
-    if known is None or known[0] is not group:
-        nccl = str(dist.get_backend(group)).lower() == "nccl" and dist.get_debug_level() != dist.DebugLevel.DETAIL
-        known = state.nccl_groups[id(group)] = (group, nccl)
-    return known[1] and not torch.cuda.is_current_stream_capturing()
+    return _devices.record(group).nccl and not torch.cuda.is_current_stream_capturing()
 
 
 def _premul_sum(call: tuple) -> bool:
@@ -395,10 +391,6 @@ def forget(group: dist.ProcessGroup | None = None) -> None:
         _retire([state.captures.pop(key) for key in keys])
         for key in [key for key in state.replay_seen if group is None or key[1] is group]:
             del state.replay_seen[key]
-        if group is None:
-            state.nccl_groups.clear()
-        else:
-            state.nccl_groups.pop(id(group), None)
 
 
 def prune() -> None:

@@ -53,20 +53,12 @@ class State:
         self.patching_lock = threading.RLock()
         self.kernels_lock = threading.Lock()
         self.config_lock = threading.Lock()
-        # _devices: what each process group serves, found once (a group's backends are fixed when it is made).
-        self.served = weakref.WeakKeyDictionary()  # group -> device types
-        self.last_served = (lambda: None, frozenset())  # (weak reference to the last group asked, its answer)
-        self.accelerator_served = weakref.WeakKeyDictionary()  # group -> {(type, collective): bool}
-        self.passed_through = weakref.WeakKeyDictionary()  # unreadable groups already logged
-        self.usable_devices: dict = {}  # torch.device -> bool
-        self.last_host_answer = (lambda: None, None, False)  # (weak reference to a group, settings, answer)
-        self.last_accelerator = (lambda: None, None, None, None, True)  # (group, type, collective, settings, answer)
-        self.last_device = (lambda: None, None, None)  # _plan: (weak reference to a group, settings, device)
-        # _groups: each group's agreement and lanes; the served path's answers; the staging pools.
-        self.groups = weakref.WeakKeyDictionary()  # group -> _groups._State
+        # _devices: one record per process group (_devices.Group), by the group's identity; usable devices.
+        self.groups: dict = {}  # id(group) -> _devices.Group
         self.groups_lock = threading.Lock()
-        self.host_answers: dict = {}  # group -> bytes below which its host calls go to torch
-        self.answers_lock = threading.Lock()
+        self.answers_lock = threading.Lock()  # (_groups: a record's served-path answer kept or dropped)
+        self.usable_devices: dict = {}  # torch.device -> bool
+        # _groups: the staging pools.
         self.idle_pools: dict = {}  # (device, kind) -> [Pool]
         self.busy_pools: list = []
         self.pools_lock = threading.Lock()
@@ -83,13 +75,11 @@ class State:
         # _execute: agreement constants by (device, code); caller's tensors' flat views; stream-ordered backends.
         self.agreements: dict = {}
         self.flats = WeakIdKeyDictionary()
-        self.stream_ordered = weakref.WeakKeyDictionary()  # group -> {device type: bool}
         # _replay: captured small calls.
         self.replay_lock = threading.Lock()
         self.captures: dict = {}  # key -> _Capture, or None where a key cannot be captured
         self.replay_seen: dict = {}  # key -> calls so far, until captured
         self.captures_by_identity: dict = {}
-        self.nccl_groups: dict = {}  # id(group) -> (group, NCCL?)
         self.retired_captures: list = []  # (event, capture): dropped, kept until their last replay is done
         self.streams: dict = {}  # (device index, raw stream) -> its Stream object
         # _registration: the caller's storages registered with the accelerator.

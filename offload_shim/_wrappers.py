@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import wrapt
 
-from offload_shim import _config, _counters, _devices, _execute, _groups, _interrupts, _plan, _replay, _staging, _table
+from offload_shim import _config, _devices, _execute, _groups, _plan, _replay, _table
 from offload_shim._patching import Parameters, Target, unwrap_ours
 from offload_shim._state import state
 
@@ -178,13 +178,11 @@ def c10d_wrapper(entry: _table.Collective):
                     if group is None:
                         raise refused
                     return stage(wrapped, args, kwargs, group, refused)
-                # The group's answer (state.host_answers): below what size its host calls go to torch untouched.
+                # The group's answer (its record's): below what size its host calls go to torch untouched.
                 given = args[group_at] if len(args) > group_at else kwargs.get("group")
                 group = _c10d._world.default_pg if given is None else given
-                try:
-                    below = state.host_answers.get(group)
-                except TypeError:  # (a group that cannot be a key: found at every call)
-                    below = None
+                record = state.groups.get(id(group))
+                below = record.below if record is not None and record.ref() is group else None
                 if below is None:
                     below = _plan.host_answer(given)
                 try:
@@ -352,44 +350,28 @@ def _batch_wrapper(original, live):
         plan = _plan.decide(_plan.Call(entry, _plan.C10D, group, {"p2p_op_list": tensors}, async_op=True))
         if plan is None:
             return wrapped(operations)
-        _interrupts.hold()  # a Ctrl-C from here (or from the ranks' agreement) is raised once the batch is issued
-        try:
-            for tensor in tensors:
-                error = _table.CONTIGUOUS_P2P(tensor)
-                if error is not None:
-                    raise error
-            try:
-                return _staged_batch(wrapped, operations, plan.device, plan.source)
-            finally:
-                _counters.count(entry.label, _counters.WHOLE, plan.nbytes)
-        finally:
-            _interrupts.release()
+        return _execute.run(plan, _BatchCaller(wrapped, operations))
 
     return wrapper
 
 
-def _staged_batch(wrapped, operations, device, source: str = "cpu"):
-    """``batch_isend_irecv(operations)`` with each operation's tensor on ``source`` staged through ``device``."""
-    staged = [_staging.StagedArguments(device, source) for _ in operations]
-    for operation, arguments in zip(operations, staged):
-        sends = operation.op is dist.distributed_c10d.isend
-        operation.tensor = arguments.stage(operation.tensor, reads=sends, writes=not sends)
-    with _staging.staged_call():
-        works = wrapped(operations)
-    if len(works) == len(operations):  # one work per operation (Gloo): each handle finishes its own receive
-        return [_staging.StagedWork([w], a.copy_back, a.callers(), pairs=a.pairs) for w, a in zip(works, staged)]
+class _BatchCaller:
+    """torch's ``batch_isend_irecv`` with the caller's operations (``operations``), for the executor: ``call`` runs
+    it on copies of them holding the staged tensors."""
 
-    def copy_back():
-        for arguments in staged:
-            arguments.copy_back()
+    __slots__ = ("wrapped", "operations")
 
-    if not works:  # nothing to wait for
-        copy_back()
-        return works
-    # One work for the batch (NCCL coalesces it): one handle, at every position, that waits the batch once and
-    # copies every receive back.
-    return [_staging.StagedWork(works, copy_back, [t for a in staged for t in a.callers()],
-                                pairs=[pair for a in staged for pair in a.pairs])] * len(works)
+    def __init__(self, wrapped, operations):
+        self.wrapped, self.operations = wrapped, operations
+
+    def call(self, tensors: list):
+        staged = []
+        for operation, tensor in zip(self.operations, tensors):
+            copy = object.__new__(type(operation))
+            copy.__dict__.update(vars(operation))
+            copy.tensor = tensor
+            staged.append(copy)
+        return self.wrapped(staged)
 
 
 def _current(operation):

@@ -96,11 +96,13 @@ def inference_tensors(chunk_bytes: int):
 
 def p2p_ops_made_before_install():
     """P2POps made while the shim was not installed: torch tells sends from receives by identity with its module's
-    isend, which install rebinds."""
+    isend, which install rebinds. Staged, the caller's P2POps keep their own tensors and ops (the staged call runs
+    on copies of them)."""
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     offload_shim.uninstall()
     received = torch.zeros(2)
     ops = [dist.P2POp(dist.isend, torch.full((2,), rank + 1.0), peer), dist.P2POp(dist.irecv, received, peer)]
+    held = [(op.op, op.tensor) for op in ops]
     offload_shim.install()
     for stage in (False, True):
         with configured(staging_device="cpu", always_stage=stage):
@@ -108,6 +110,7 @@ def p2p_ops_made_before_install():
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         assert received.tolist() == [peer + 1.0] * 2, stage
+        assert all(op.op is kind and op.tensor is tensor for op, (kind, tensor) in zip(ops, held)), stage
 
 
 def batch_handles_wait_their_own_operation():

@@ -676,7 +676,7 @@ def check_destroyed_groups_are_not_kept():
         tensor = torch.ones(4)
         for _ in range(3):  # served: its answer kept (configure() above emptied the answers)
             dist.all_reduce(tensor, group=group)
-        assert group in state.host_answers
+        assert _devices.record(group).below is not None
         refs.append(weakref.ref(group))
         dist.destroy_process_group(group)
         del group
@@ -686,6 +686,34 @@ def check_destroyed_groups_are_not_kept():
 
 def test_destroyed_groups_are_not_kept(fault_ranks):
     assert fault_ranks.run(check_destroyed_groups_are_not_kept) == [[True, True]] * 2
+
+
+def check_freed_group_takes_its_record():
+    """A group's record (its backends read once, its agreement, its served-path answer) goes with the group: one
+    destroyed by torch while the shim was not installed, then freed, leaves nothing in the table of records, and a
+    new group, even one at the freed group's address, gets a record of its own."""
+    import gc
+
+    group = dist.new_group(backend="gloo")
+    with staging_through_cpu(chunk_bytes=64):
+        dist.all_reduce(torch.ones(64), group=group)  # pipelined: the ranks' agreement in the record
+    key, agreed = id(group), _devices.record(group).agreement is not None
+    offload_shim.uninstall()
+    dist.destroy_process_group(group)  # torch's own: the shim forgets nothing
+    kept = key in state.groups
+    del group
+    gc.collect()
+    freed = key not in state.groups
+    offload_shim.install()
+    dist.barrier()
+    other = dist.new_group(backend="gloo")
+    fresh = _devices.record(other).agreement is None
+    dist.destroy_process_group(other)
+    return agreed, kept, freed, fresh
+
+
+def test_freed_group_takes_its_record(fault_ranks):
+    assert fault_ranks.run(check_freed_group_takes_its_record) == [(True, True, True, True)] * 2
 
 # ---------------------------------------------------------------- handles used every way torch's are (adversarial trial)
 

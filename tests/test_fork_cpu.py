@@ -73,8 +73,7 @@ def test_a_forked_child_starts_empty_and_keeps_what_its_parent_held():
             code = 0
             del kept  # a parent's handle dropped in the child
             gc.collect()
-            tables = {"pools": dict(state.idle_pools), "busy": list(state.busy_pools), "states": dict(state.groups),
-                      "answers": dict(state.host_answers), "slots": dict(state.thread.slots),
+            tables = {"pools": dict(state.idle_pools), "busy": list(state.busy_pools), "records": dict(state.groups), "slots": dict(state.thread.slots),
                       "pending": dict(state.pending_writes), "captures": dict(state.captures),
                       "agreements": dict(state.agreements), "copy threads": state.copy_pool,
                       "counters": offload_shim.staging_counters()}

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import offload_shim
+from offload_shim import _devices
 from offload_shim._state import state
 import recording
 from bitwise import same_bits
@@ -644,18 +645,18 @@ def check_answer_dropped_with_its_agreement():
     with counting_calls(_plan, "decide") as decided:
         dist.all_reduce(tensor, group=group)
         dist.all_reduce(tensor, group=group)
-        first = _groups.state_of(group).agreement
+        first = _devices.record(group).agreement
         answer = _config.settings().route_min_bytes if first.route else float("inf")
-        seen["kept"] = (len(decided), state.host_answers.get(group) == answer)
+        seen["kept"] = (len(decided), _devices.record(group).below == answer)
         again = _groups.agree(group, _config.settings(), None, "test", can_route=not first.route)  # every rank alike
-        seen["replaced"] = (again is not first, group in state.host_answers)
+        seen["replaced"] = (again is not first, _devices.record(group).below is not None)
         _groups.keep_answer(group, _config.settings(), 64, first)  # found from the agreement replaced
-        seen["stale kept"] = group in state.host_answers
+        seen["stale kept"] = _devices.record(group).below is not None
         dist.all_reduce(tensor, group=group)  # decided: agrees again (as at first) and keeps its answer
         dist.all_reduce(tensor, group=group)
-        seen["again"] = (len(decided), state.host_answers.get(group) == answer, tensor.tolist())
+        seen["again"] = (len(decided), _devices.record(group).below == answer, tensor.tolist())
     dist.destroy_process_group(group)
-    seen["destroyed"] = group in state.host_answers
+    seen["destroyed"] = _devices.record(group).below is not None
     return seen
 
 
@@ -690,7 +691,7 @@ def check_answer_not_kept_past_a_configure():
         finally:
             _groups._torch_groups = torch_groups
         assert changed.wait(10)
-        seen["kept"] = group in state.host_answers
+        seen["kept"] = _devices.record(group).below is not None
         offload_shim.reset_staging_counters()
         tensor = torch.ones(4)
         dist.all_reduce(tensor, group=group)  # under the other thread's settings: staged (forced), as every rank
@@ -717,11 +718,11 @@ def check_answers_of_groups_torch_destroyed():
     offload_shim.install()
     group = dist.new_group(backend="gloo")
     dist.all_reduce(torch.ones(4), group=group)
-    seen = {"kept": group in state.host_answers}
+    seen = {"kept": _devices.record(group).below is not None}
     offload_shim.uninstall()
     dist.destroy_process_group(group)  # torch's own, the shim not installed
     offload_shim.install()
-    seen["after install"] = group in state.host_answers
+    seen["after install"] = _devices.record(group).below is not None
     ref = weakref.ref(group)
     del group
     gc.collect()
@@ -730,7 +731,7 @@ def check_answers_of_groups_torch_destroyed():
     other = dist.new_group(backend="gloo")
     dist.destroy_process_group(other)
     _groups.keep_answer(other, _config.settings(), float("inf"))  # found before the destroy, kept after it
-    seen["kept after destroy"] = other in state.host_answers
+    seen["kept after destroy"] = _devices.record(other).below is not None
     return seen
 
 

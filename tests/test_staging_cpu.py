@@ -783,7 +783,7 @@ def check_threaded_host_copies():
         dist.all_reduce(tensor)
     assert devices == ["cpu"]
     assert same_bits(tensor, expected)
-    return _staging.copy_threads(), state.copy_pool is not None, sorted(_groups.state_of(dist.group.WORLD).lanes)
+    return _staging.copy_threads(), state.copy_pool is not None, sorted(_devices.record(dist.group.WORLD).lanes)
 
 
 def test_threaded_host_copies(gloo_ranks):
