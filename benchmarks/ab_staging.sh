@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The staging benchmark of two trees alternated on one machine (A, B, A, B), each run from its own tree through
+# The staging benchmark of two trees alternated on one machine, the order turned each round (A, B, B, A, A, B, ...)
+# so that neither side always runs first after the other, each run from its own tree through
 # PYTHONPATH, with nothing installed (an editable install's finder comes before PYTHONPATH, so an installed tree
 # would run on both sides); each run's log says which package it imported.
 #   [ROUNDS=N] bash benchmarks/ab_staging.sh OTHER_TREE OUTDIR [SECTIONS]   # OTHER_TREE: e.g. git archive of an older
@@ -11,7 +12,9 @@ sections=${3:-copy_limits,small,pageable,duplex}
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 for round in $(seq "${ROUNDS:-2}"); do
-  for side in other this; do
+  order="other this"
+  [ $((round % 2)) = 0 ] && order="this other"
+  for side in $order; do
     tree=$here
     [ "$side" = other ] && tree=$other
     (
