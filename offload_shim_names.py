@@ -1,7 +1,7 @@
 """The names of offload_shim's environment variables, and the check for names that look like them: a module that
 imports nothing of offload_shim (nor torch), so that the start-up module (``offload_shim_boot``) can name a misspelt
 variable at ``import torch`` without importing the package, which imports torch and installs the wrappers; the
-package reads the same list (``offload_shim._config.ENVIRONMENT``)."""
+package reads the same list (``offload_shim._config`` names each as a constant from it)."""
 
 import os
 

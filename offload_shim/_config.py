@@ -75,23 +75,15 @@ import re
 
 import torch
 
+import offload_shim_names
 from offload_shim._state import state
 
-ENV_ENABLE = "OFFLOAD_SHIM"
-ENV_STAGING_DEVICE = "OFFLOAD_SHIM_STAGING_DEVICE"
-ENV_ALWAYS_STAGE = "OFFLOAD_SHIM_ALWAYS_STAGE"
-ENV_CHUNK_BYTES = "OFFLOAD_SHIM_CHUNK_BYTES"
-ENV_ROUTE_MIN_BYTES = "OFFLOAD_SHIM_ROUTE_MIN_BYTES"
-ENV_LOG = "OFFLOAD_SHIM_LOG"
-ENV_SUMMARY = "OFFLOAD_SHIM_SUMMARY"
-ENV_HOST_STAGING = "OFFLOAD_SHIM_HOST_STAGING"
-ENV_GRAPHS = "OFFLOAD_SHIM_GRAPHS"
-ENV_REGISTER_BYTES = "OFFLOAD_SHIM_REGISTER_BYTES"
+# The variables, named once: the list start-up reads without importing the package (offload_shim_names.VARIABLES),
+# one constant per name, in its order.
+ENVIRONMENT = offload_shim_names.VARIABLES
+(ENV_ENABLE, ENV_STAGING_DEVICE, ENV_ALWAYS_STAGE, ENV_CHUNK_BYTES, ENV_ROUTE_MIN_BYTES, ENV_HOST_STAGING, ENV_GRAPHS,
+ ENV_REGISTER_BYTES, ENV_LOG, ENV_SUMMARY) = ENVIRONMENT
 LOG_LEVELS = {"warning": 30, "info": 20, "debug": 10}  # logging.WARNING, logging.INFO, logging.DEBUG
-ENVIRONMENT = (
-    ENV_ENABLE, ENV_STAGING_DEVICE, ENV_ALWAYS_STAGE, ENV_CHUNK_BYTES, ENV_ROUTE_MIN_BYTES, ENV_HOST_STAGING, ENV_GRAPHS,
-    ENV_REGISTER_BYTES, ENV_LOG, ENV_SUMMARY,
-)
 
 # measured: results/gpu/2026-12-01-two-h200-gpu-tests-and-benchmark/bench.log, chunk sweep
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -301,8 +293,6 @@ def unknown_variables(environ=os.environ) -> list[str]:
     """Sentences naming each variable of the environment that looks like one of :data:`ENVIRONMENT` but is none of
     them (a misspelt name is otherwise ignored without a word), with the nearest known name
     (``offload_shim_names.look_alikes``, which the start-up module also runs while the shim is off)."""
-    import offload_shim_names
-
     return offload_shim_names.look_alikes(environ)
 
 

@@ -110,11 +110,21 @@ def test_misspelt_switch_is_named_at_import_torch(tmp_path, name):
 
 
 def test_variables_named_without_importing_the_package():
-    """The start-up module's list of variables (what the entry point checks names against) is the package's."""
+    """The start-up module's list of variables (what the entry point checks names against) is the package's: each
+    is read by the package (its constant used beyond its definition), and named in the README's settings table."""
+    import pathlib
+
     import offload_shim_names
     from offload_shim import _config
 
-    assert offload_shim_names.VARIABLES == _config.ENVIRONMENT
+    root = pathlib.Path(_config.__file__).parent
+    source = "\n".join(p.read_text() for p in root.glob("*.py"))
+    readme = (root.parent / "README.md").read_text()
+    constants = {value: name for name, value in vars(_config).items() if name.startswith("ENV_")}
+    assert set(constants) == set(offload_shim_names.VARIABLES)
+    unread = [v for v, name in constants.items() if source.count(f"ENV_{name[4:]}") < 2 and source.count(name) < 3]
+    undocumented = [v for v in offload_shim_names.VARIABLES if f"`{v}`" not in readme]
+    assert not unread and not undocumented, (unread, undocumented)
 
 
 def test_false_value_installs_nothing(site):
