@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# After one record per group and batch_isend_irecv through the executor, on one GPU, in one device call: every
+# one-GPU test (tree installed), then the staging benchmark of the code before the session (.ab/old, a git archive
+# of 7823868, carried) and of this tree alternated, the order turned each round (benchmarks/ab_staging.sh: before,
+# after, after, before, ...; nothing installed during it), and its table (benchmarks/ab_report.py).
+#   [ROUNDS=N] [SECTIONS=...] [TESTS=0] bash results/gpu/2026-12-07-one-gpu-record-ab/run.sh OUTDIR
+set -u -o pipefail
+out=${1:?OUTDIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/../../.."
+export PYTHONUNBUFFERED=1
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c 'import torch, wrapt, sys; print("torch", torch.__version__, "nccl", ".".join(map(str, torch.cuda.nccl.version())), "wrapt", wrapt.__version__, "python", sys.version.split()[0])'
+} > "$out/env.log" 2>&1
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -m pip install --no-build-isolation --no-deps -e . >> "$out/env.log" 2>&1
+  timeout 280 python3 -m pytest -o addopts="" -m gpu -v -p no:cacheprovider tests/test_one_gpu.py \
+    tests/test_one_gpu_frameworks.py > "$out/tests.log" 2>&1
+  echo "tests rc=$?" >> "$out/tests.log"
+  python3 -m pip uninstall -y offload_shim >> "$out/env.log" 2>&1  # (an editable finder would serve both sides)
+fi
+ROUNDS=${ROUNDS:-2} timeout "${AB_SECONDS:-280}" bash benchmarks/ab_staging.sh .ab/old "$out/ab" \
+  "${SECTIONS:-copy_limits,small,pageable,duplex,async}"
+echo "ab rc=$?" >> "$out/ab/ab.log"
+python3 benchmarks/ab_report.py "$out/ab" > "$out/ab/table.md" 2>&1
+find "$out" -name '*.png' -delete
+(cd "$out/ab" && tar czf ../runs.tgz other* this* && rm -r other* this*)  # (at most 8 files come back)
+[ -f "$out/tests.log" ] && grep -E "passed|failed|rc=" "$out/tests.log" | tail -n 2
+cat "$out/ab/table.md"
