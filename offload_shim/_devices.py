@@ -124,12 +124,6 @@ def forget(group: dist.ProcessGroup | None = None) -> list[Group]:
         return [state.groups.pop(id(group))]
 
 
-def served_device_types(group: dist.ProcessGroup) -> frozenset[str]:
-    """Device types (``"cpu"``, ``"cuda"``, ...) that have a backend registered on ``group``: its own record
-    (``ProcessGroup._device_types``), else ``Backend.backend_capability`` for its backends' names."""
-    return record(group).served
-
-
 def host_calls_served(group: dist.ProcessGroup) -> bool:
     """Whether every call on ``group`` goes to torch untouched, whatever its host tensors, under the current
     settings: one backend serves CPU and every other device type of the group (a plain Gloo group: no other backend
@@ -150,7 +144,7 @@ def unreadable(group: dist.ProcessGroup) -> bool:
     ``Backend.backend_capability`` for its backend: a Python process group registered with ``devices=[]``, say).
     The shim cannot tell what such a group serves, so its calls go to torch untouched, in every mode; the first time
     per group, one log line says so (``offload-shim doctor`` says it for the default group)."""
-    if served_device_types(group):
+    if record(group).served:
         return False
     passed_through(group, "it records no device types (neither the group nor "
                           "torch.distributed.Backend.backend_capability)")
@@ -248,18 +242,13 @@ def _accelerator_device(served: frozenset[str]) -> torch.device | None:
 
 def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
     """The group's timeout (what its collectives wait for their peers): its backends' option, else the store's."""
-    for device_type in sorted(served_device_types(group)):
+    for device_type in sorted(record(group).served):
         try:
             return group._get_backend(torch.device(device_type)).options._timeout
         except Exception:  # a backend without that record (a Python one)
             continue
     store = record(group).store
     return getattr(store, "timeout", None) or datetime.timedelta(minutes=30)
-
-
-def backend_for(group: dist.ProcessGroup, device_type: str) -> str | None:
-    """Name of the backend that serves ``device_type`` on ``group`` (``'gloo'``, ``'nccl'``, ...), or ``None``."""
-    return record(group).backends.get(device_type)
 
 
 # Where a backend serves an accelerator's tensors for some collectives only, the collectives it runs on them, by
@@ -319,20 +308,16 @@ def sends_to_host(error: RuntimeError) -> bool:
 _NOT_THROUGH_HOST = frozenset({"cpu", "meta"})
 
 
-def serves_accelerator(group: dist.ProcessGroup, device_type: str, collective: str) -> bool:
-    """Whether ``group`` runs ``collective`` on tensors of accelerator ``device_type`` itself: a backend serves that
-    device type, for this collective (:data:`PARTLY_SERVED`)."""
-    found = record(group)
-    only = PARTLY_SERVED.get((found.backends.get(device_type), device_type))
-    return device_type in found.served and (only is None or collective in only)
-
-
 def accelerator_call_served(group: dist.ProcessGroup, device_type: str, collective: str) -> bool:
     """Whether a call of ``collective`` on ``group`` with tensors of ``device_type`` (not the host's) goes to torch
-    untouched: host staging is off, the group runs it on them, or it serves no CPU either. The served path's question
-    for the accelerator's own calls (FSDP2's gathers, a training loop's all_reduce)."""
-    return (not _config.settings().host_staging or device_type in _NOT_THROUGH_HOST
-            or serves_accelerator(group, device_type, collective) or "cpu" not in record(group).served)
+    untouched: host staging is off, the group serves no CPU, or it runs this collective on them itself (a backend
+    serves that device type, for this collective: :data:`PARTLY_SERVED`). The served path's question for the
+    accelerator's own calls (FSDP2's gathers, a training loop's all_reduce)."""
+    if not _config.settings().host_staging or device_type in _NOT_THROUGH_HOST:
+        return True
+    found = record(group)
+    only = PARTLY_SERVED.get((found.backends.get(device_type), device_type))
+    return "cpu" not in found.served or device_type in found.served and (only is None or collective in only)
 
 
 def unstaged_layout(tensor, group, collective: str, served) -> None:

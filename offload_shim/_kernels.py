@@ -220,7 +220,7 @@ def _refusing_kernel(op):
         tensor, group = get(tensor_at), _group(get(group_at))
         if isinstance(tensor, (list, tuple)):
             tensor = tensor[0] if tensor else None
-        served = frozenset() if group is None else _devices.served_device_types(group)
+        served = frozenset() if group is None else _devices.record(group).served
         if tensor is not None and group is not None and "cpu" not in served and not _devices.unreadable(group):
             raise _devices.StagingError(
                 f"offload_shim: {label} got a tensor on cpu ({tuple(tensor.shape)}, {tensor.dtype}), but process "

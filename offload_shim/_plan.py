@@ -197,13 +197,13 @@ def _decide(call: Call, group) -> Plan | None:
         if call.entry.chunkable:
             _groups.agree(group, settings, None, call.entry.label)  # agreed before, under these settings
         return _stage(call, device, _counters.STAGED, settings, host, tensors)  # as decided below before
-    served = _devices.served_device_types(group)
+    served = record.served
     if not served and _devices.unreadable(group):
         return None  # what the group serves cannot be read: torch's call, untouched
     for tensor in host:
         if not _staging.needs_staging(tensor):  # sparse, nested, quantized, a dispatch subclass: never staged
             return _devices.unstaged_layout(tensor, group, call.entry.label, served)
-    cpu = _devices.backend_for(group, "cpu")
+    cpu = record.cpu
     if others:
         for tensor in tensors:
             if not tensor.is_cpu and tensor.device.type not in served:
@@ -211,14 +211,14 @@ def _decide(call: Call, group) -> Plan | None:
                 # the shim, rather than a staged output filled from memory never written.
                 return None
         other = next(t for t in tensors if not t.is_cpu)
-        if cpu is not None and cpu == _devices.backend_for(group, other.device.type):
+        if cpu is not None and cpu == record.backends.get(other.device.type):
             # One backend for both: torch runs it, unless that backend serves the accelerator's tensors for this
             # collective only through the host (Gloo's CUDA all_to_all): those are staged through the host.
             return _through_host(call, tensors, settings)
         route = _counters.STAGED if cpu is None else _counters.MIXED
         return _stage(call, other.device, route, settings, host, tensors, chunked=False)
     if cpu is not None:  # the group serves the host
-        return _on_host_group(call, group, served, cpu, settings, host, tensors)
+        return _on_host_group(call, group, record, settings, host, tensors)
     device, fixed = _devices.staging_device(group, served, settings)  # (fixed: why, where there is no device)
     why = None if device is not None else fixed
     if call.entry.chunkable:  # every rank stages the same calls: compare what their wire depends on, first
@@ -251,10 +251,11 @@ def host_answer(given) -> float:
     return below
 
 
-def _on_host_group(call, group, served, cpu: str, settings, host, tensors) -> Plan | None:
+def _on_host_group(call, group, record, settings, host, tensors) -> Plan | None:
     """A host-only call on a group that serves the host: torch's, unless routed through the group's accelerator
     backend, or staging is forced (``always_stage``)."""
-    accelerator = next((t for t in sorted(served) if _devices.backend_for(group, t) != cpu), None)
+    served, cpu = record.served, record.cpu
+    accelerator = next((t for t in sorted(served) if record.backends[t] != cpu), None)
     if accelerator is None and not settings.always_stage:
         return None  # one backend serves everything (a plain Gloo group): nothing to route to, nothing forced
     if call.entry.point_to_point and not settings.always_stage:
@@ -423,7 +424,7 @@ def _coalescing(call: Call, tensor) -> None:
     staged copy would be copied back before it held the result. Nothing to do where the group serves the host
     (torch runs it there); :class:`StagingError` otherwise."""
     group = call.group
-    served = _devices.served_device_types(group)
+    served = _devices.record(group).served
     if "cpu" in served:
         return
     raise StagingError(
@@ -456,7 +457,7 @@ def _decided(plan: Plan, tensor, sizes: tuple) -> None:
 def _why(plan: Plan, sizes: tuple) -> str:
     """Why a call is staged by its route, in a few words, for the log."""
     group, route = plan.call.group, plan.route
-    served = ", ".join(sorted(_devices.served_device_types(group)))
+    served = ", ".join(sorted(_devices.record(group).served))
     where = f"group {_devices.group_label(group)} with backend {_devices.backend_description(group)} serves {served}"
     if route == _counters.STAGED:
         return f"{where} only"

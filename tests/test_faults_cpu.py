@@ -355,7 +355,7 @@ def check_quantized_left_to_torch_or_refused_on_every_rank(pipelined):
     import offload_shim
 
     offload_shim.install()
-    served = "cpu" in _devices.served_device_types(dist.group.WORLD)
+    served = "cpu" in _devices.record(dist.group.WORLD).served
     quantized = torch.quantize_per_tensor(torch.arange(64.0), 0.5, 0, torch.qint8)
     with configured(staging_device="cpu" if served else None, always_stage=served, chunk_bytes=16 if pipelined else 1 << 20):
         with pytest.raises(NotImplementedError if served else StagingError) as raised:
