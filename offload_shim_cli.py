@@ -389,7 +389,7 @@ def _check_ranks(backend: str | None) -> list:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         group = dist.group.WORLD
-        served = sorted(_devices.served_device_types(group))
+        served = sorted(_devices.record(group).served)
         lines = [f"backend {_devices.backend_description(group)!r}, serves {served}, bound device "
                  f"{getattr(group, 'bound_device_id', None)}, accelerator device {device}"]
         for nbytes in sorted({4, offload_shim.settings().route_min_bytes or 4}):

@@ -32,6 +32,7 @@ import argparse
 import datetime
 import os
 import time
+import sys
 
 import torch
 import torch.distributed as dist
@@ -276,7 +277,8 @@ def main() -> None:
     registered = 0 if options.by_hand else _registration.registered_bytes()
     dist.destroy_process_group()
     how = "staged by hand" if options.by_hand else f"modes {', '.join(modes)}; {registered} bytes registered"
-    print(f"OK rank {rank} ({options.backend}, {how})", flush=True)
+    sys.stdout.write(f"OK rank {rank} ({options.backend}, {how})\n")  # (one write: ranks share the stream)
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
