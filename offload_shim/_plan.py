@@ -275,11 +275,21 @@ def _on_host_group(call, group, record, settings, host, tensors) -> Plan | None:
             return _stage(call, candidate, _counters.ROUTED, settings, host, tensors)
     if not settings.always_stage:
         return None
-    device, _ = _devices.staging_device(group, served, settings)
+    device, fixed = _devices.staging_device(group, served, settings)
+    if accelerator is None and call.entry.chunkable:
+        # A forced chunked call's wire depends on every rank staging it: where some ranks can and some cannot (no
+        # staging device), the same error on every rank, before anything is sent; where none can, torch's call.
+        unable = _groups.agree(group, settings, None if device is not None else fixed, call.entry.label).unable
+        if unable and len(unable) < group.size():
+            reasons = "; ".join(f"rank {rank} of the group: {why}" for rank, why in sorted(unable.items()))
+            raise StagingError(
+                f"offload_shim: {call.entry.label} on process group {_devices.group_label(group)}: staging is forced "
+                f"({_config.ENV_ALWAYS_STAGE}), and some ranks of the group can stage it while others cannot "
+                f"({reasons}). Every rank must stage a chunked call alike: give every rank a staging device (on a "
+                f"CPU machine, {_config.ENV_STAGING_DEVICE}=cpu), or force staging on none. No rank ran it; the "
+                f"caller's tensors are unchanged.")
     if device is None:
         return None
-    if accelerator is None and call.entry.chunkable:
-        _groups.agree(group, settings, None, call.entry.label)
     return _stage(call, device, _counters.FORCED, settings, host, tensors)
 
 

@@ -767,3 +767,37 @@ def check_point_to_point_on_a_two_backend_group_waits_for_its_peer_only():
 def test_point_to_point_on_a_two_backend_group_waits_for_its_peer_only(gloo_ranks):
     (_, sent), (got, received) = gloo_ranks.run(check_point_to_point_on_a_two_backend_group_waits_for_its_peer_only)
     assert got == [7.0] * 4 and max(sent, received) < 30, (got, sent, received)
+
+
+# ---------------------------------------------------------------- forced staging where only some ranks can stage
+
+
+def check_forced_staging_where_some_ranks_cannot():
+    """Staging forced on every rank of a plain Gloo group, a staging device on rank 0 alone: a chunked call's wire
+    depends on every rank staging it, so every rank raises the same StagingError at once (not after the group's
+    timeout, rank 0 waiting for an agreement its peer never makes), the tensor unchanged; with a device on no rank,
+    every rank runs torch's own call."""
+    group = _group(timeout_s=30)
+    offload_shim.install()
+    tensor = torch.ones(1 << 16)
+    seen = {}
+    with configured(always_stage=True, chunk_bytes="64KiB", staging_device="cpu" if dist.get_rank() == 0 else None):
+        start = time.monotonic()
+        try:
+            dist.all_reduce(tensor, group=group)
+        except offload_shim.StagingError as error:
+            seen["error"] = ("rank 1 of the group:" in str(error), "rank 0 of the group" not in str(error))
+        seen["seconds"] = time.monotonic() - start < 10
+        seen["unchanged"] = torch.equal(tensor, torch.ones(1 << 16))
+    other = _group(timeout_s=30)  # (a new group: a rank whose own ability changes agrees again alone)
+    with configured(always_stage=True, chunk_bytes="64KiB", staging_device=None):
+        dist.all_reduce(tensor, group=other)  # no rank can stage: torch's call on every rank
+        seen["torch's"] = torch.equal(tensor, torch.full((1 << 16,), float(other.size())))
+    dist.destroy_process_group(group)
+    dist.destroy_process_group(other)
+    return seen
+
+
+def test_forced_staging_where_some_ranks_cannot(gloo_ranks):
+    for seen in gloo_ranks.run(check_forced_staging_where_some_ranks_cannot):
+        assert seen == {"error": (True, True), "seconds": True, "unchanged": True, "torch's": True}, seen
