@@ -3,7 +3,9 @@
 A communicator such as vLLM's ``PyNcclCommunicator`` is bound to one device and asserts that every tensor it is
 given is on that device (``tensor.device == self.device``). A registered method is wrapped (through
 ``_patching``, so :func:`offload_shim.uninstall` binds the exact original back and :func:`offload_shim.install`
-wraps it again) so that a tensor argument on any other device, the CPU or another GPU of the host, is staged:
+wraps it again) so that a tensor argument on any other device, the CPU or another GPU of the host, is staged. The
+method is an entry of its own (``_table.Collective``, made here), and its calls go through the one decision
+(``_plan.decide``, which picks the tensors to stage) and the one executor (``_execute._registered``):
 
 1. each registered tensor argument not on the communicator's device is replaced by a contiguous copy on it (a
    parameter only written, not read, by an empty tensor); an object passed to several parameters is staged once;
@@ -21,26 +23,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import logging
 import sys
 import types
 from typing import Callable, Iterable
 
 import torch
 
-from offload_shim import _config, _counters, _devices, _interrupts, _patching, _staging, _table
+from offload_shim import _execute, _patching, _plan, _staging, _table
 from offload_shim._state import state
-
-_log = logging.getLogger("offload_shim")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
-    label: str  # e.g. "pkg.mod.Class.all_reduce", for messages
+    entry: _table.Collective  # its tensor parameters, in signature order, each read, written or both
     device: str | Callable  # attribute name of the instance, or callable(instance) -> torch.device
-    parameters: tuple[str, ...]  # reads and writes, in signature order
-    reads: frozenset[str]
-    writes: frozenset[str]
 
     def device_of(self, instance) -> torch.device:
         value = getattr(instance, self.device) if isinstance(self.device, str) else self.device(instance)
@@ -141,7 +137,11 @@ def register_communicator(
             f"offload_shim: register_communicator({label}): no parameter {', '.join(map(repr, unknown))}; "
             f"its parameters are {known}"
         )
-    spec = _Spec(label, device, tuple(n for n in known if n in reads or n in writes), frozenset(reads), frozenset(writes))
+    args = tuple(
+        _table.Arg(name, _table.BOTH if name in reads and name in writes else _table.READ if name in reads else
+                   _table.WRITE, refusal=_table.AUTOGRAD_WRITTEN_FIRST if name in writes else None)
+        for name in known if name in reads or name in writes)
+    spec = _Spec(_table.Collective(method, label, args), device)
     key = (module_name, target_owner, method)
     with state.patching_lock:
         new = key not in _specs
@@ -181,14 +181,6 @@ def _resolve(owner, method: str) -> tuple[Callable, str | None]:
     return function, owner.__qualname__
 
 
-@dataclasses.dataclass
-class _Staged:
-    caller: torch.Tensor
-    read: bool = False
-    write: bool = False
-    copy: torch.Tensor | None = None
-
-
 def _make_wrapper(key, is_method: bool):
     def make(original, live):
         # Positions as the wrapper gets them: wrapt passes a method's instance apart from args.
@@ -197,93 +189,14 @@ def _make_wrapper(key, is_method: bool):
         def wrapper(wrapped, instance, args, kwargs):
             if not live or _staging.in_staged_call():
                 return wrapped(*args, **kwargs)
-            return _call(_specs[key], parameters, wrapped, instance, args, kwargs)
+            spec = _specs[key]
+            values = {arg.name: parameters.get(args, kwargs, arg.name) for arg in spec.entry.args}
+            plan = _plan.decide(_plan.Call(spec.entry, _plan.COMMUNICATOR, None, values,
+                                           device=spec.device_of(instance)))
+            if plan is None:
+                return wrapped(*args, **kwargs)
+            return _execute.run(plan, _execute.Caller(wrapped, parameters, args, kwargs))
 
         return wrapper
 
     return make
-
-
-def _call(spec: _Spec, parameters, wrapped, instance, args, kwargs):
-    device = spec.device_of(instance)
-    always = _config.settings().always_stage
-    staged: dict[int, _Staged] = {}  # by id of the caller's tensor, in signature order
-    names: list[tuple[str, _Staged]] = []
-    for name in spec.parameters:
-        tensor = parameters.get(args, kwargs, name)
-        if isinstance(tensor, torch.Tensor) and (always or tensor.device != device):
-            entry = staged.setdefault(id(tensor), _Staged(tensor))
-            entry.read |= name in spec.reads
-            entry.write |= name in spec.writes
-            names.append((name, entry))
-    if not staged:
-        return wrapped(*args, **kwargs)
-    for entry in staged.values():
-        # The shim writes the results in place: refused where autograd refuses an in-place write (a leaf that
-        # requires grad, an inference tensor outside inference mode), before anything is copied.
-        error = _table.inplace_refusal(entry.caller) if entry.write else None
-        if error is not None:
-            raise error
-    if device.type != "cpu" and not _devices._usable(device):
-        name, entry = names[0]
-        raise _devices.StagingError(
-            f"offload_shim: {spec.label} got a tensor on {entry.caller.device} ({tuple(entry.caller.shape)}, "
-            f"{entry.caller.dtype}) for {name!r}, but the communicator works on {device}, which this process "
-            f"cannot use. The tensors were not modified."
-        )
-    route = _counters.STAGED if any(e.caller.device != device for e in staged.values()) else _counters.FORCED
-    if not _log.isEnabledFor(logging.INFO):
-        _counters.decided(route, device)
-    else:
-        forced = "always_stage; " if route == _counters.FORCED else ""
-        _counters.decided(route, device, spec.label, lambda: f"{forced}the communicator works on {device}")
-        if _log.isEnabledFor(logging.DEBUG):
-            _log.debug(
-                "offload_shim: staging %s of %s through %s", ", ".join(n for n, _ in names), spec.label, device,
-                extra={"offload_shim_collective": spec.label, "offload_shim_device": str(device)},
-            )
-    nbytes = sum(e.caller.numel() * e.caller.element_size() for e in staged.values())
-    try:
-        with _interrupts.held():  # a Ctrl-C comes once the results are copied back
-            return _run_staged(parameters, wrapped, args, kwargs, device, staged, names)
-    finally:
-        _counters.count(spec.label, _counters.WHOLE, nbytes)
-
-
-def _run_staged(parameters, wrapped, args, kwargs, device: torch.device, staged: dict, names: list):
-    """The method called with the tensors of ``staged`` (given for the parameters of ``names``) staged through
-    ``device``, and its results copied back (steps 1 to 4 of the module docstring)."""
-    with torch.no_grad():
-        for entry in staged.values():
-            t = entry.caller
-            entry.copy = _staging.to_staging(t, device) if entry.read else torch.empty(t.shape, dtype=t.dtype, device=device)
-    for name, entry in names:
-        args, kwargs = parameters.replace(args, kwargs, name, entry.copy)
-    _staging._finish_on(device)  # the copies are complete, whatever stream the method uses
-    with _staging.staged_call():
-        result = wrapped(*args, **kwargs)
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)  # the method's work, on any stream of the device, has finished
-    _copy_back([e for e in staged.values() if e.write or result is e.copy], device)
-    if not isinstance(result, torch.Tensor):
-        return result
-    for entry in staged.values():
-        if result is entry.copy:
-            return entry.caller
-    if result.device != device:
-        return result
-    first = next((e for e in staged.values() if e.read), next(iter(staged.values())))
-    return _staging.to_caller(result, first.caller.device)
-
-
-def _copy_back(entries: list[_Staged], device: torch.device) -> None:
-    """Write each staged tensor into the caller's own (same object, strides, storage), complete on return."""
-    with torch.no_grad():
-        for entry in entries:
-            with _staging.writable(entry.caller):
-                _staging.bits(entry.caller.data).copy_(
-                    _staging.bits(entry.copy), non_blocking=_staging._is_pinned(entry.caller)
-                )
-    # A copy runs on the source's current stream; one into a strided tensor of another GPU ends on that GPU's.
-    for each in {device, *(e.caller.device for e in entries)}:
-        _staging._finish_on(each)

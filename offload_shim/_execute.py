@@ -42,7 +42,7 @@ import torch._C._distributed_c10d as _c10d
 
 from offload_shim import _counters, _devices, _groups, _interrupts, _registration, _replay, _staging
 from offload_shim._devices import StagingError, group_label
-from offload_shim._plan import C10D, Chunks, Plan
+from offload_shim._plan import C10D, COMMUNICATOR, Chunks, Plan
 from offload_shim._state import state
 from offload_shim._table import AFTER_THE_WIRE, AUTOGRAD, BATCH, BOTH, ELEMENTWISE, NONE, READ, WRITE, overlapping
 
@@ -55,6 +55,26 @@ PAGEABLE_PATH = "bounce"  # or "driver": the runtime's own (synchronous) staged 
 # The process group's method that gathers each rank's part into one tensor, by its current name: torch 2.13's
 # ``all_gather_single``; 2.11 has only ``_allgather_base``.
 GATHER_METHOD = "all_gather_single" if hasattr(dist.ProcessGroup, "all_gather_single") else "_allgather_base"
+
+
+class Caller:
+    """torch's function (or a communicator's method) with the caller's arguments, for :func:`run`: ``call(replaced)``
+    calls it with the tensor arguments of ``replaced`` (parameter name to value) in place of the caller's."""
+
+    __slots__ = ("wrapped", "parameters", "args", "kwargs", "at", "settings")
+
+    def __init__(self, wrapped, parameters, args, kwargs, at=0, settings=None):
+        self.wrapped, self.parameters, self.args, self.kwargs, self.at = wrapped, parameters, args, kwargs, at
+        self.settings = settings
+
+    def call(self, replaced: dict):
+        args, kwargs = self.args, self.kwargs
+        for name, value in replaced.items():
+            args, kwargs = self.parameters.replace(args, kwargs, name, value)
+        return self.wrapped(*args, **kwargs)
+
+    def replay_key(self) -> tuple:
+        return _replay.call_key(self.wrapped, self.args, self.kwargs, self.at)
 
 
 def run(plan: Plan, caller):
@@ -71,7 +91,7 @@ def run(plan: Plan, caller):
     """
     call = plan.call
     mode = plan.mode
-    broken = _groups.out_of_step(call.group)
+    broken = None if call.group is None else _groups.out_of_step(call.group)
     if broken is not None:
         raise StagingError(f"offload_shim: process group {group_label(call.group)} is out of step since {broken}: "
                            f"its ranks' collectives no longer pair alike. Destroy it and make another.")
@@ -188,6 +208,8 @@ def _whole(plan: Plan, caller):
     entry = call.entry
     if entry is BATCH:
         return _batch(plan, caller)
+    if call.family == COMMUNICATOR:
+        return _registered(plan, caller)
     staged = _staging.StagedArguments(plan.device, plan.source)
     replaced = {}
     for arg in entry.args:
@@ -208,6 +230,45 @@ def _whole(plan: Plan, caller):
         return call.values[_written(entry)]
     single = len(entry.args) == 1 and isinstance(call.values.get(entry.args[0].name), torch.Tensor)
     return staged.complete(result, [call.values[entry.args[0].name]] if single else None)
+
+
+def _registered(plan: Plan, caller):
+    """A registered communicator's method on its tensors staged to its device, synchronously (``_communicators``):
+    a tensor given for several parameters is staged once (read if any of them reads it); the staged copies are
+    complete before the method runs, on whichever stream of the device; the device is synchronised after it; what
+    it wrote, and a staged tensor it returns, are copied back into the caller's tensors, complete on return."""
+    call, device = plan.call, plan.device
+    callers, roles, copies = {}, {}, {}  # by the id of the caller's tensor
+    for name, tensor in call.values.items():
+        reads, writes = _reads_writes(plan, name)
+        read, written = roles.get(id(tensor), (False, False))
+        callers[id(tensor)], roles[id(tensor)] = tensor, (read or reads, written or writes)
+    with torch.no_grad():
+        for key, tensor in callers.items():
+            copies[key] = (_staging.to_staging(tensor, device) if roles[key][0] else
+                           torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
+    _staging._finish_on(device)
+    with _staging.staged_call():
+        result = caller.call({name: copies[id(tensor)] for name, tensor in call.values.items()})
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)  # the method's work, on any stream of the device, has finished
+    back = [key for key in copies if roles[key][1] or result is copies[key]]
+    with torch.no_grad():
+        for key in back:
+            with _staging.writable(callers[key]):
+                _staging.bits(callers[key].data).copy_(_staging.bits(copies[key]),
+                                                       non_blocking=_staging._is_pinned(callers[key]))
+    for each in {device, *(callers[key].device for key in back)}:  # (a copy into another GPU ends on its stream)
+        _staging._finish_on(each)
+    if not isinstance(result, torch.Tensor):
+        return result
+    for key, copy in copies.items():
+        if result is copy:
+            return callers[key]
+    if result.device != device:
+        return result
+    first = next((key for key in callers if roles[key][0]), next(iter(callers)))
+    return _staging.to_caller(result, callers[first].device)
 
 
 def _batch(plan: Plan, caller):
@@ -689,7 +750,7 @@ def _stream_ordered(group, device) -> bool:
     handle's ``wait()`` makes the current stream wait, and returns at once): one that serves that accelerator only
     (NCCL, HCCL, XCCL), as torch records its backends (``Backend.backend_capability``). One that also serves the
     host (Gloo, MPI, UCC) runs them from the host, and its ``wait()`` blocks."""
-    return device.type != "cpu" and _devices.record(group).ordered.get(device.type, False)
+    return device.type != "cpu" and group is not None and _devices.record(group).ordered.get(device.type, False)
 
 
 def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back_out, cuts=None):

@@ -41,8 +41,9 @@ from offload_shim._table import ELEMENTWISE, GATHER, LIST, NONE, READ, TENSOR, W
 
 _log = logging.getLogger("offload_shim")
 
-# Families: how an entry is called on staged tensors (the wrapper that binds the call says which).
-C10D, OPS, FUNCTIONAL = "c10d", "ops", "functional"
+# Families: how an entry is called on staged tensors (the wrapper that binds the call says which). A registered
+# communicator's method (``_communicators``) has no process group: it is bound to one device.
+C10D, OPS, FUNCTIONAL, COMMUNICATOR = "c10d", "ops", "functional", "communicator"
 # Tensors of fewer chunks than this are staged as one collective: with one chunk there is nothing to overlap.
 MIN_PIPELINED_CHUNKS = 2
 # Synchronous in-place torch.distributed calls of at most this many bytes go through this thread's reused slot.
@@ -55,14 +56,15 @@ class Call:
 
     Attributes:
         entry: its entry of the table.
-        family: :data:`C10D`, :data:`OPS` or :data:`FUNCTIONAL`.
-        group: its process group (``None`` where there is none: torch then raises or returns).
+        family: :data:`C10D`, :data:`OPS`, :data:`FUNCTIONAL` or :data:`COMMUNICATOR`.
+        group: its process group (``None`` where there is none: torch then raises or returns; a communicator).
         values: its tensor arguments by parameter name, as the caller gave them.
         async_op: what the caller gave for ``async_op`` (true: it asked for a work handle); torch takes a bool or
             what its options convert to one (an int, ``None``), and refuses others (a string).
         root: whether this rank is the call's root (``None``: the call has none, or its arguments do not say).
         root_rank: the root's rank in the group, where known.
         op: the reduce op of a reduction, as ``torch.distributed`` takes it.
+        device: the device a registered communicator works on.
     """
 
     entry: Collective
@@ -73,6 +75,7 @@ class Call:
     root: bool | None = None
     root_rank: int | None = None
     op: object = None
+    device: torch.device | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the call's tensor arguments, in argument order (lists flattened)."""
@@ -164,6 +167,8 @@ def decide(call: Call) -> Plan | None:
             is sent, the caller's tensors unchanged.
     """
     group = call.group
+    if call.family == COMMUNICATOR and not state.thread.depth:
+        return _on_communicator(call)
     if group is None or state.thread.depth:  # (a collective called from inside a staged call: torch's)
         return None
     if not _well_formed(call):
@@ -291,6 +296,27 @@ def _on_host_group(call, group, record, settings, host, tensors) -> Plan | None:
     if device is None:
         return None
     return _stage(call, device, _counters.FORCED, settings, host, tensors)
+
+
+def _on_communicator(call: Call) -> Plan | None:
+    """A registered communicator's call: its tensors not on the communicator's device (every one, where staging is
+    forced) staged whole through that device; ``None`` where there are none."""
+    device, always = call.device, _config.settings().always_stage
+    call.values = {name: t for name, t in call.values.items()
+                   if isinstance(t, torch.Tensor) and (always or t.device != device)}
+    if not call.values:
+        return None
+    name, tensor = next(iter(call.values.items()))
+    if device.type != "cpu" and not _devices._usable(device):
+        raise StagingError(
+            f"offload_shim: {call.entry.label} got a tensor on {tensor.device} ({tuple(tensor.shape)}, "
+            f"{tensor.dtype}) for {name!r}, but the communicator works on {device}, which this process cannot use. "
+            f"The tensors were not modified.")
+    tensors = call.tensors()
+    route = _counters.STAGED if any(t.device != device for t in tensors) else _counters.FORCED
+    plan = Plan(call, _counters.WHOLE, route, device, tensor.device.type, sum(t.numel() * t.element_size() for t in tensors))
+    _decided(plan, tensor, (None,))
+    return plan
 
 
 def _well_formed(call: Call) -> bool:
@@ -456,10 +482,11 @@ def _decided(plan: Plan, tensor, sizes: tuple) -> None:
     call = plan.call
     _counters.decided(plan.route, plan.device, call.entry.label, lambda: _why(plan, sizes))
     if _log.isEnabledFor(logging.DEBUG):
+        where = ("the communicator" if call.group is None else
+                 f"group {_devices.group_label(call.group)}, backend {_devices.backend_description(call.group)!r}")
         _log.debug(
-            "offload_shim: staging %s of a %s tensor %s %s through %s (group %s, backend %r, mode %s)",
-            call.entry.label, tensor.device.type, tuple(tensor.shape), tensor.dtype, plan.device,
-            _devices.group_label(call.group), _devices.backend_description(call.group), plan.mode,
+            "offload_shim: staging %s of a %s tensor %s %s through %s (%s, mode %s)",
+            call.entry.label, tensor.device.type, tuple(tensor.shape), tensor.dtype, plan.device, where, plan.mode,
             extra={"offload_shim_collective": call.entry.label, "offload_shim_device": str(plan.device)},
         )
 
@@ -467,6 +494,8 @@ def _decided(plan: Plan, tensor, sizes: tuple) -> None:
 def _why(plan: Plan, sizes: tuple) -> str:
     """Why a call is staged by its route, in a few words, for the log."""
     group, route = plan.call.group, plan.route
+    if group is None:
+        return f"{'always_stage; ' if route == _counters.FORCED else ''}the communicator works on {plan.device}"
     served = ", ".join(sorted(_devices.record(group).served))
     where = f"group {_devices.group_label(group)} with backend {_devices.backend_description(group)} serves {served}"
     if route == _counters.STAGED:

@@ -40,25 +40,6 @@ EVERY_SIZE = math.inf  # a served-path answer: every call of the group's host te
 _c10d = dist.distributed_c10d
 
 
-class _C10dCaller:
-    """torch's function with the caller's arguments, some tensors replaced (``call``), for the executor."""
-
-    __slots__ = ("wrapped", "parameters", "args", "kwargs", "at", "settings")
-
-    def __init__(self, wrapped, parameters, args, kwargs, at=0, settings=None):
-        self.wrapped, self.parameters, self.args, self.kwargs, self.at = wrapped, parameters, args, kwargs, at
-        self.settings = settings
-
-    def call(self, replaced: dict):
-        args, kwargs = self.args, self.kwargs
-        for name, value in replaced.items():
-            args, kwargs = self.parameters.replace(args, kwargs, name, value)
-        return self.wrapped(*args, **kwargs)
-
-    def replay_key(self) -> tuple:
-        return _replay.call_key(self.wrapped, self.args, self.kwargs, self.at)
-
-
 def _root(entry, parameters, args, kwargs, group) -> tuple[bool | None, int | None]:
     """``(this rank is the root, the root's rank in the group)`` of a call with a root, given as a global rank
     (``src``, ``dst``) or as ``group_src``/``group_dst``; ``(None, None)`` where the arguments do not say (torch will
@@ -156,7 +137,7 @@ def c10d_wrapper(entry: _table.Collective):
                 if refused is not None:
                     raise refused
                 return wrapped(*args, **kwargs)
-            return _execute.run(plan, _C10dCaller(wrapped, parameters, args, kwargs))
+            return _execute.run(plan, _execute.Caller(wrapped, parameters, args, kwargs))
 
         if entry.wire == _table.ELEMENTWISE:  # one tensor, in place: the shortest served path
             at = parameters.position(entry.args[0].name)
@@ -198,7 +179,7 @@ def c10d_wrapper(entry: _table.Collective):
                 plan = _plan.decide(_bind(entry, parameters, args, kwargs, group))
                 if plan is None:
                     return wrapped(*args, **kwargs)
-                return _execute.run(plan, _C10dCaller(wrapped, parameters, args, kwargs, at, settings))
+                return _execute.run(plan, _execute.Caller(wrapped, parameters, args, kwargs, at, settings))
 
             return in_place
 
@@ -480,7 +461,7 @@ def functional_wrapper(entry: _table.Collective):
                 if refused is not None:
                     raise refused
                 return wrapped(*args, **kwargs)
-            return _execute.run(plan, _C10dCaller(wrapped, parameters, args, kwargs))
+            return _execute.run(plan, _execute.Caller(wrapped, parameters, args, kwargs))
 
         return wrapper
 
