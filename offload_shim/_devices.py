@@ -50,10 +50,12 @@ class Group:
     ``bound`` (``ProcessGroup.bound_device_id``). Kept as calls go: the ranks' ``agreement`` and its ``lock``, the
     copy ``lanes``, ``out_of_step`` (why its collectives no longer pair alike), the served path's ``below`` (the size
     below which its host-only calls go to torch, ``None`` until found), ``device`` (``(settings, device)``: the
-    staging device fixed by the group and those settings), and whether ``passed`` (its calls go to torch, logged)."""
+    staging device fixed by the group and those settings), whether ``passed`` (its calls go to torch, logged), and
+    ``unchecked`` (a future completed once the latest asynchronous chunked call's agreement has been checked, on its
+    completion lane: a later staged call on the group waits for it before sending anything)."""
 
     __slots__ = ("ref", "served", "backends", "description", "cpu", "plain", "ordered", "nccl", "store", "bound",
-                 "lock", "agreement", "lanes", "out_of_step", "below", "device", "passed", "__weakref__")
+                 "lock", "agreement", "lanes", "out_of_step", "below", "device", "passed", "unchecked", "__weakref__")
 
     def __init__(self, group: dist.ProcessGroup, ref):
         self.ref = ref
@@ -80,6 +82,7 @@ class Group:
         self.below: float | None = None
         self.device = None
         self.passed = False
+        self.unchecked = None
 
 
 def _backend_named(description: str, device_type: str) -> str | None:

@@ -34,6 +34,7 @@ wire, as a rank that raises in torch does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 
 import torch
@@ -91,7 +92,12 @@ def run(plan: Plan, caller):
     """
     call = plan.call
     mode = plan.mode
-    broken = None if call.group is None else _groups.out_of_step(call.group)
+    broken = None
+    if call.group is not None:
+        record = _devices.record(call.group)
+        if record.unchecked is not None and not record.unchecked.done():
+            concurrent.futures.wait([record.unchecked])  # an asynchronous call's agreement, checked on its lane
+        broken = record.out_of_step
     if broken is not None:
         raise StagingError(f"offload_shim: process group {group_label(call.group)} is out of step since {broken}: "
                            f"its ranks' collectives no longer pair alike. Destroy it and make another.")
@@ -857,6 +863,9 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
             _groups.discard(pool)  # (collectives may still use its memory: never reused)
             raise
     read = h2d.record_event()  # the caller's memory has been read once this has completed
+    # The ranks' agreement is checked on the completion lane, after the call has returned: until it is, a later staged
+    # call on the group waits for it (run), so that none pairs with chunks of a call its ranks split differently.
+    checked = _devices.record(group).unchecked = concurrent.futures.Future()
 
     def complete_ordered() -> None:
         """On the completion lane, once the call has returned: the agreement's D2H, its check, then each chunk's D2H
@@ -864,10 +873,13 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
         and the wait for the copies."""
         try:
             with torch.no_grad(), _staging.writable(dest), d2h:
-                works[0].wait()
-                agreed.copy_(agreement, non_blocking=True)
-                d2h.record_event().synchronize()
-                _check_agreement(group, agreed.tolist(), chunks, call.entry.label, issued=True)
+                try:
+                    works[0].wait()
+                    agreed.copy_(agreement, non_blocking=True)
+                    d2h.record_event().synchronize()
+                    _check_agreement(group, agreed.tolist(), chunks, call.entry.label, issued=True)
+                finally:
+                    checked.set_result(None)
                 if writes:
                     for index, slot in enumerate(slots):
                         back(index, slot)
@@ -895,10 +907,13 @@ def _run_async(plan: Plan, source, dest, launch, reads: bool, writes: bool, back
 
     def finish_blocking() -> None:
         with torch.no_grad(), _staging.writable(dest):
-            with d2h:  # the agreement's result read on the stream that waited for it
-                works[0].wait()
-                values = agreement.tolist()
-            _check_agreement(group, values, chunks, call.entry.label, issued=True)
+            try:
+                with d2h:  # the agreement's result read on the stream that waited for it
+                    works[0].wait()
+                    values = agreement.tolist()
+                _check_agreement(group, values, chunks, call.entry.label, issued=True)
+            finally:
+                checked.set_result(None)
             pending = None  # (event, pairs) of the previous chunk's copy out of its bounce buffer
             for index, slot in enumerate(slots):
                 with d2h:

@@ -57,11 +57,11 @@ _SEEN_LIMIT = 4096  # keys counted before the count starts over
 
 
 class _Capture:
-    __slots__ = ("group", "index", "settings", "reads", "writes", "graph", "host_in", "host_out", "slot", "nbytes",
+    __slots__ = ("group", "record", "index", "settings", "reads", "writes", "graph", "host_in", "host_out", "slot", "nbytes",
                  "into", "out_of", "caller", "caller_bytes", "done", "pending", "stream", "raw", "counts")
 
     def __init__(self, group, device, graph, host_in, host_out, slot, reads: bool, writes: bool, settings, counts):
-        self.group, self.index = group, _index(device)
+        self.group, self.record, self.index = group, _devices.record(group), _index(device)
         self.settings = settings  # those under which the decision to replay was last made
         self.reads, self.writes = reads, writes
         self.graph = graph
@@ -155,6 +155,7 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, function, args: tup
         capture is None
         or capture.group is not group
         or capture.settings is not _config.settings()
+        or capture.record.unchecked is not None and not capture.record.unchecked.done()  # (run waits for it)
         or not tensor.is_contiguous()
         or state.thread.depth
         or _current_device() != capture.index

@@ -463,6 +463,58 @@ def check_gpu_staging():
             comm.all_reduce(torch.ones(2))
 
 
+def check_one_gpu_staging():
+    """One rank of a NCCL group on the one GPU: every CPU tensor a registered method gets is staged through the GPU
+    for real (the stand-in asserts its tensors are on it, and NCCL runs on the copies); the caller's tensors come
+    back written, the GPU ones passed as they are."""
+    register(StandInCommunicator)
+    own = torch.device("cuda", torch.cuda.current_device())
+    comm = StandInCommunicator(own)
+    n = 1 << 20
+    with shim():
+        before = sum(count.calls for count in offload_shim.staging_counters().values())
+        for pinned in (False, True):  # a CPU input: the new output comes back to the CPU
+            x = arange(n, 3)
+            x = x.pin_memory() if pinned else x
+            out = comm.all_reduce(x)
+            assert out.device == torch.device("cpu") and torch.equal(out, arange(n, 3)) and out is not x
+            assert torch.equal(x, arange(n, 3))
+        # CPU input, CPU out_tensor: the caller's object is returned, written
+        out = torch.zeros(n)
+        assert comm.all_reduce(arange(n, 1), out_tensor=out) is out and torch.equal(out, arange(n, 1))
+        # a strided CPU tensor broadcast on a side stream of the GPU: written in place, complete on return
+        t = torch.zeros(4 * n).reshape(n, 4)[:, 1::2]
+        t.copy_(arange(2 * n).reshape(n, 2))
+        comm.broadcast(t, 0, stream=torch.cuda.Stream(own))
+        assert torch.equal(t, arange(2 * n).reshape(n, 2))
+        # all_gather: the input on the GPU passed as it is, the CPU output staged (written only)
+        comm.received.clear()
+        inp, output = torch.full((n,), 5.0, device=own), torch.zeros(n)
+        comm.all_gather(output, inp)
+        assert comm.received[1] is inp and comm.received[0] is not output and comm.received[0].device == own
+        assert torch.equal(output, torch.full((n,), 5.0))
+        # reduce_scatter from a CPU input into a CPU output
+        output = torch.zeros(n)
+        comm.reduce_scatter(output, arange(n, 7))
+        assert torch.equal(output, arange(n, 7))
+        staged = sum(count.calls for count in offload_shim.staging_counters().values()) - before
+        assert staged == 6, staged  # (every call above staged something; none went untouched)
+        # vLLM's own failure without the shim
+        offload_shim.uninstall()
+        with pytest.raises(AssertionError, match=f"created to work on {own}, but the input tensor is on cpu"):
+            comm.all_reduce(torch.ones(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_vllm_style_communicator_with_cpu_tensors():
+    pool = RankPool(world_size=1, backend="nccl", timeout=300)
+    try:
+        pool.run(check_one_gpu_staging)
+    finally:
+        pool.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.accelerator.device_count() < 2, reason="needs two accelerators")
 def test_gpu_vllm_style_communicator_with_cpu_and_other_gpu_tensors():

@@ -554,6 +554,41 @@ def check_async_ranks_disagree(numels):
     return errors, after.tolist()
 
 
+def check_late_disagreement_refuses_the_next_call(later):
+    """The disagreement of an asynchronous pipelined call found only after a later staged call was issued: an earlier,
+    right asynchronous call keeps the group's completion lane busy, so the bad call's check waits behind it. The later
+    call (small, whole or pipelined; sync or async) waits for that check and raises StagingError on every rank, its
+    tensor unchanged, instead of pairing with the longer rank's leftover chunk (it returned 1.0 where 2.0 is right,
+    3 runs of 3). The earlier call's result is right; the bad call's wait() raises."""
+    rank = dist.get_rank()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=60))
+    with staging_through_cpu(chunk_bytes=CHUNK):
+        dist.all_reduce(torch.ones(1), group=group)  # (the settings compared: not part of this case)
+        busy = torch.full((4096,), float(rank + 1))  # 1,024 chunks: its completion task holds the lane
+        first = dist.all_reduce(busy, group=group, async_op=True)
+        bad = torch.full((8 if rank == 0 else 12,), 1.0)  # 2 chunks against 3
+        second = dist.all_reduce(bad, group=group, async_op=True)
+        numel, asynchronous = {"small": (4, False), "whole": (2, True), "pipelined": (16, False),
+                               "pipelined-async": (16, True)}[later]
+        after = torch.full((numel,), float(rank + 1))
+        with pytest.raises(StagingError, match="out of step since a staged asynchronous"):
+            work = dist.all_reduce(after, group=group, async_op=asynchronous)
+            if work is not None:
+                work.wait()
+        assert after.tolist() == [float(rank + 1)] * numel  # nothing written
+        first.wait()
+        assert busy.tolist() == [3.0] * 4096
+        with pytest.raises(StagingError, match="disagree on this staged asynchronous"):
+            second.wait()
+        assert bad.tolist() == [1.0] * bad.numel()
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("later", ["small", "whole", "pipelined", "pipelined-async"])
+def test_late_disagreement_refuses_the_next_call(fault_ranks, later):
+    fault_ranks.run(check_late_disagreement_refuses_the_next_call, later)
+
+
 def test_async_ranks_disagree(fault_ranks):
     """64 against 32 floats in 4-float chunks: 16 chunks against 8."""
     for errors, after in fault_ranks.run(check_async_ranks_disagree, (64, 32)):
