@@ -508,18 +508,18 @@ def check_one_gpu_staging():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_gpu_vllm_style_communicator_with_cpu_tensors():
-    pool = RankPool(world_size=1, backend="nccl", timeout=300)
-    try:
-        pool.run(check_one_gpu_staging)
-    finally:
-        pool.close()
+    on_nccl_ranks(1, check_one_gpu_staging)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.accelerator.device_count() < 2, reason="needs two accelerators")
 def test_gpu_vllm_style_communicator_with_cpu_and_other_gpu_tensors():
-    pool = RankPool(world_size=2, backend="nccl", timeout=300)
+    on_nccl_ranks(2, check_gpu_staging)
+
+
+def on_nccl_ranks(world_size, check):
+    pool = RankPool(world_size=world_size, backend="nccl", timeout=300)
     try:
-        pool.run(check_gpu_staging)
+        pool.run(check)
     finally:
         pool.close()
