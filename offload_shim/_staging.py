@@ -311,11 +311,12 @@ def _record(device: torch.device):
     return None if device.type == "cpu" else torch.accelerator.current_stream(device).record_event()
 
 
-# Host memory that asynchronous staged calls write when they are finished (state.pending_writes: token -> (spans,
-# finish)). A staged call on memory in a span first finishes that call, so that calls on one tensor take effect in
-# the order they were made, as they do on one accelerator stream. No lock: each access is one dict operation (atomic
-# in CPython), and written() runs from garbage collection (a failed handle's traceback holds it in a cycle), which
-# may strike while any code of this module runs; a lock taken there would deadlock.
+# Host memory that asynchronous staged calls write when they are finished, indexed by the storage it lies in
+# (state.pending_writes: the storage's address -> {token: (spans, finish)}), so that a staged call looks up only its
+# own tensors' storages, whatever the number of outstanding calls. A staged call on memory in a span first finishes
+# that call, so that calls on one tensor take effect in the order they were made, as they do on one accelerator
+# stream. state.pending_lock (re-entrant: a failed call's cleanup may run from garbage collection in a thread that
+# holds it) guards the index, never a finish().
 def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
     """The bytes ``[start, end)`` of host memory that ``tensor``'s elements occupy (``None`` if it has none)."""
     if tensor.numel() == 0:
@@ -325,34 +326,56 @@ def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
     return start, start + (last + 1) * tensor.element_size()
 
 
-def expect_writes(tensors, finish: Callable[[], object]) -> int:
+def _spans(tensors) -> dict[int, list[tuple[int, int]]]:
+    """The spans of ``tensors`` (:func:`_span`) by the address of the storage each lies in."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for tensor in tensors:
+        span = _span(tensor)
+        if span is not None:
+            spans.setdefault(tensor.untyped_storage().data_ptr(), []).append(span)
+    return spans
+
+
+def expect_writes(tensors, finish: Callable[[], object]) -> tuple:
     """Record that an asynchronous staged call will write ``tensors`` when ``finish()`` runs; returns the token
     to pass to :func:`written`."""
-    token = next(state.tokens)
-    spans = [span for span in map(_span, tensors) if span is not None]
-    if spans:
-        state.pending_writes[token] = (spans, finish)
-    return token
+    number, spans = next(state.tokens), _spans(tensors)
+    with state.pending_lock:
+        for storage, each in spans.items():
+            state.pending_writes.setdefault(storage, {})[number] = (each, finish)
+    return number, tuple(spans)
 
 
-def written(token: int) -> None:
+def written(token: tuple | None) -> None:
     """The call recorded under ``token`` by :func:`expect_writes` has written its tensors, or never will."""
-    state.pending_writes.pop(token, None)
+    if token is None:
+        return
+    number, storages = token
+    with state.pending_lock:
+        for storage in storages:
+            calls = state.pending_writes.get(storage)
+            if calls is not None:
+                calls.pop(number, None)
+                if not calls:
+                    del state.pending_writes[storage]
 
 
 def finish_writes_to(tensors) -> None:
     """Finish every asynchronous staged call that will write memory of ``tensors`` (waiting for it), so that a new
     call reads and writes them after it, as a call on the same accelerator stream would."""
-    pending_writes = state.pending_writes
-    if not pending_writes:
+    if not state.pending_writes:
         return
-    spans = [span for span in map(_span, tensors) if span is not None]
-    for pending, finish in list(pending_writes.values()):
-        if any(start < end_ and start_ < end for start, end in pending for start_, end_ in spans):
-            try:
-                finish()
-            except Exception:  # that call failed: its handle raises it where torch would, and it writes nothing
-                pass
+    found = []
+    with state.pending_lock:
+        for storage, spans in _spans(tensors).items():
+            for pending, finish in state.pending_writes.get(storage, {}).values():
+                if any(start < end_ and start_ < end for start, end in pending for start_, end_ in spans):
+                    found.append(finish)
+    for finish in found:
+        try:
+            finish()
+        except Exception:  # that call failed: its handle raises it where torch would, and it writes nothing
+            pass
 
 
 def needs_staging(value, source: str = "cpu") -> bool:

@@ -67,7 +67,8 @@ class State:
         self.copy_pool = None  # a ThreadPoolExecutor, made at the first threaded host copy
         self.copy_pool_lock = threading.Lock()
         self.slot_generation = 0
-        self.pending_writes: dict = {}  # token -> (spans of host memory, finish)
+        self.pending_writes: dict = {}  # storage address -> {token: (spans of host memory, finish)}
+        self.pending_lock = threading.RLock()
         self.tokens = itertools.count()
         self.unwaited = queue.SimpleQueue()  # calls whose handles were dropped unwaited
         self.writer = None  # the thread that finishes them, once started
