@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # After registered communicators went through the one decision and executor, on one GPU: every one-GPU test, the
-# one-rank communicator test among them (tree installed; TESTS=0 skips them), then (AB=1) the staging benchmark of the code before the restructuring (.ab/old, a
-# git archive of 7823868, carried) and of this tree alternated, the order turned each round
-# (benchmarks/ab_staging.sh; nothing installed during it), and its table (benchmarks/ab_report.py).
+# one-rank communicator test among them (tree installed; TESTS=0 skips them), then (AB=1) the staging benchmark of
+# the code before the restructuring (.ab/old, a git archive of 7823868, carried) and of this tree alternated, the
+# order turned each round (benchmarks/ab_staging.sh; nothing installed during it), and its table
+# (benchmarks/ab_report.py).
 #   [TESTS=1] [AB=0] [ROUNDS=N] [SECTIONS=...] bash results/gpu/2026-12-07-one-gpu-one-path/run.sh OUTDIR
 set -u -o pipefail
 out=${1:?OUTDIR}
