@@ -12,6 +12,7 @@ else the current ``torch.accelerator`` device. What a call does with these answe
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import threading
@@ -52,7 +53,8 @@ class Group:
     below which its host-only calls go to torch, ``None`` until found), ``device`` (``(settings, device)``: the
     staging device fixed by the group and those settings), whether ``passed`` (its calls go to torch, logged), and
     ``unchecked`` (a future completed once the latest asynchronous chunked call's agreement has been checked, on its
-    completion lane: a later staged call on the group waits for it before sending anything)."""
+    completion lane, and complete until there is one: a later staged call on the group waits for it before sending
+    anything)."""
 
     __slots__ = ("ref", "served", "backends", "description", "cpu", "plain", "ordered", "nccl", "store", "bound",
                  "lock", "agreement", "lanes", "out_of_step", "below", "device", "passed", "unchecked", "__weakref__")
@@ -82,7 +84,8 @@ class Group:
         self.below: float | None = None
         self.device = None
         self.passed = False
-        self.unchecked = None
+        self.unchecked = concurrent.futures.Future()
+        self.unchecked.set_result(None)
 
 
 def _backend_named(description: str, device_type: str) -> str | None:

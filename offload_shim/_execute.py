@@ -95,7 +95,7 @@ def run(plan: Plan, caller):
     broken = None
     if call.group is not None:
         record = _devices.record(call.group)
-        if record.unchecked is not None and not record.unchecked.done():
+        if not record.unchecked.done():
             concurrent.futures.wait([record.unchecked])  # an asynchronous call's agreement, checked on its lane
         broken = record.out_of_step
     if broken is not None:

@@ -104,11 +104,6 @@ def prune() -> None:
                 forget(group)
 
 
-def out_of_step(group) -> str | None:
-    """Why ``group``'s collectives may no longer pair alike on every rank (:func:`mark_out_of_step`), or ``None``."""
-    return _devices.record(group).out_of_step
-
-
 def mark_out_of_step(group: dist.ProcessGroup, why: str) -> None:
     """Record that ``group``'s ranks issued collectives that did not match (``why``): every later staged call on it
     is refused, until the group is destroyed (:func:`forget`)."""

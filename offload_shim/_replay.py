@@ -155,7 +155,7 @@ def replayed(tensor: torch.Tensor, group: dist.ProcessGroup, function, args: tup
         capture is None
         or capture.group is not group
         or capture.settings is not _config.settings()
-        or capture.record.unchecked is not None and not capture.record.unchecked.done()  # (run waits for it)
+        or not capture.record.unchecked.done()  # (run waits for it)
         or not tensor.is_contiguous()
         or state.thread.depth
         or _current_device() != capture.index
