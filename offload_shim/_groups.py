@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import time
 
@@ -54,7 +55,6 @@ class _Agreement:
     mine: tuple | None = None  # this rank's fingerprint then
     route: bool = False  # every rank can route through the group's accelerator backend
     unable: dict = dataclasses.field(default_factory=dict)  # group rank -> why it cannot stage
-    generation: int = 0  # agreements this process made on the group (every rank makes them at the same calls)
 
 
 # The served path's answer for host tensors (a group's record's ``below``): the size in bytes below which a host-only
@@ -145,12 +145,12 @@ def agree(group: dist.ProcessGroup, settings, unable: str | None, collective: st
         mine = _fingerprint(settings, unable, can_route)
         agreement = record.agreement
         if agreement is None or agreement.mine != mine:
-            generation = (0 if agreement is None else agreement.generation) + 1
             try:
                 _interrupts.hold()  # from here to the end of the call it is for (_interrupts)
-                agreement = _exchange(group, record, generation, mine, unable, collective)
-            except BaseException:  # every rank raised at this generation: the next agreement takes the next one
-                record.agreement = _Agreement(generation=generation)
+                agreement = _exchange(record.store, group.rank(), group.size(), _devices.group_timeout(group),
+                                      _devices.group_label(group), mine, unable, collective)
+            except BaseException:  # every rank raised at this agreement's number: the next one takes the next
+                record.agreement = None
                 drop_answers(group)
                 raise
             record.agreement = agreement
@@ -164,26 +164,38 @@ class Unagreeable(Exception):
     implemented"): its ranks cannot agree, so nothing is staged on the group (``_plan.decide``)."""
 
 
-def _exchange(group, record, generation: int, mine: tuple, unable: str | None, collective: str) -> _Agreement:
-    size = group.size()
+def _exchange(store, rank: int, size: int, timeout, label: str, mine: tuple, unable: str | None,
+              collective: str) -> _Agreement:
+    """Compare ``mine`` with every rank's fingerprint through the group's store in a constant number of store
+    operations per rank, whatever the group's size, as torch's store-based barrier counts its ranks: each rank takes
+    the number of its agreement from a counter of its own (so a group made again over the same store goes on from
+    the last number, never reading an earlier group's answers), writes its fingerprint under its rank (read only to
+    name the ranks on a difference or a timeout), adds one to a counter named by its fingerprint's digest and one to
+    the number of ranks arrived, and waits for every rank. When every rank counted the same digest, every
+    fingerprint is this rank's; otherwise (one read of every rank's) the ranks are named with their values.
+    ``store``: the group's (``None``: nothing to compare through); ``timeout``: a ``timedelta``; ``label``: the
+    group's name in messages."""
     if size == 1:
-        return _Agreement(mine=mine, route=mine[-1], unable={} if unable is None else {0: unable},
-                          generation=generation)
-    store = record.store
+        return _Agreement(mine=mine, route=mine[-1], unable={} if unable is None else {0: unable})
     if store is None:  # a group torch keeps no store for: nothing to compare through
-        return _Agreement(mine=mine, route=False, generation=generation)
-    keys = [f"offload_shim/agreement/{generation}/{rank}" for rank in range(size)]
+        return _Agreement(mine=mine, route=False)
     try:
-        store.set(keys[group.rank()], json.dumps({"fingerprint": mine, "unable": unable}))
+        number = store.add(f"offload_shim/agreements/{rank}", 1)
     except RuntimeError as error:  # a store that keeps nothing: on every rank alike
-        if "Not implemented" not in str(error):
+        if "Not implemented" not in str(error) and "pure virtual" not in str(error):  # (FakeStore; a bare Store)
             raise
         raise Unagreeable(str(error)) from error
-    timeout = _devices.group_timeout(group)
-    if not _wait_for(store, keys, timeout.total_seconds()):  # a rank never got here
-        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+    prefix = f"offload_shim/agreement/{number}"
+    mine_json = json.dumps({"fingerprint": mine, "unable": unable})
+    digest = hashlib.sha256(mine_json.encode()).hexdigest()[:32]
+    store.set(f"{prefix}/{rank}", mine_json)
+    store.add(f"{prefix}/{digest}", 1)
+    arrived = store.add(f"{prefix}/arrived", 1)  # after its digest's count: every rank arrived has been counted
+    keys = [f"{prefix}/{each}" for each in range(size)]
+    if arrived < size and not _wait_for(store, f"{prefix}/arrived", size, timeout.total_seconds()):  # one never came
+        missing = [each for each, key in enumerate(keys) if not store.check([key])]
         raise StagingError(
-            f"offload_shim: process group {_devices.group_label(group)}: rank(s) {missing} of the group did not "
+            f"offload_shim: process group {label}: rank(s) {missing} of the group did not "
             f"compare staging settings within the group's timeout ({timeout}), where this rank does before "
             f"{collective} (its first call on the group whose wire depends on them: a staged call, or any host call on "
             f"a group with a CPU and an accelerator backend; or the first since its settings changed). Every rank "
@@ -191,38 +203,43 @@ def _exchange(group, record, generation: int, mine: tuple, unable: str | None, c
             f"settings, and make the first call on each group in the same order on every rank. Nothing of the call "
             f"was sent; the caller's tensors are unchanged."
         )
+    if store.add(f"{prefix}/{digest}", 0) == size:  # every rank's fingerprint is this one
+        return _Agreement(mine=mine, route=mine[-1],
+                          unable={} if unable is None else dict.fromkeys(range(size), unable))
     values = [json.loads(value) for value in store.multi_get(keys)]
     fingerprints = [tuple(value["fingerprint"]) for value in values]
     differ = [what for what, at in _COMPARED.items() if len({f[at] for f in fingerprints}) > 1]
     if differ:
         by_rank = "; ".join(
-            f"rank {rank}: " + ", ".join(f"{what} {fingerprint[_COMPARED[what]]!r}" for what in differ)
-            for rank, fingerprint in enumerate(fingerprints)
+            f"rank {each}: " + ", ".join(f"{what} {fingerprint[_COMPARED[what]]!r}" for what in differ)
+            for each, fingerprint in enumerate(fingerprints)
         )
         raise StagingError(
-            f"offload_shim: the ranks of process group {_devices.group_label(group)} disagree on {', '.join(differ)} "
+            f"offload_shim: the ranks of process group {label} disagree on {', '.join(differ)} "
             f"({by_rank}). A staged call's collectives depend on these settings: set them alike on every rank (the "
             f"same environment, or the same offload_shim.configure() calls). No rank ran {collective}; the caller's "
             f"tensors are unchanged."
         )
     return _Agreement(
-        mine=mine, route=all(f[-1] for f in fingerprints), generation=generation,
-        unable={rank: value["unable"] for rank, value in enumerate(values) if value["unable"] is not None},
+        mine=mine, route=all(f[-1] for f in fingerprints),
+        unable={each: value["unable"] for each, value in enumerate(values) if value["unable"] is not None},
     )
 
 
-def _wait_for(store, keys: list[str], timeout: float) -> bool:
-    """Whether every key of ``keys`` is set in ``store`` within ``timeout`` seconds. By polling, not
-    ``store.wait``: a process's threads share one store client, and a wait holds it, so one thread waiting for its
-    group's agreement would keep another thread from writing its own (two threads agreeing on two groups, in
-    opposite orders on two ranks, would wait for each other for ever)."""
+def _wait_for(store, key: str, count: int, timeout: float) -> bool:
+    """Whether the counter ``key`` of ``store`` reaches ``count`` within ``timeout`` seconds, polled as torch's
+    store-based barrier polls (one operation a poll), at pauses that double up to one of 0.1 ms a rank (at least 50
+    ms): the store's load from the polls stays the same whatever the group's size. By polling, not ``store.wait``: a
+    process's threads share one store client, and a wait holds it, so one thread waiting for its group's agreement
+    would keep another thread from writing its own (two threads agreeing on two groups, in opposite orders on two
+    ranks, would wait for each other for ever); and a ``wait`` that times out logs torch's warnings."""
     deadline = time.monotonic() + timeout
-    pause = 1e-4
-    while not store.check(keys):
+    pause, longest = 1e-4, max(0.05, count * 1e-4)
+    while store.add(key, 0) < count:
         if time.monotonic() > deadline:
             return False
         time.sleep(pause)
-        pause = min(2 * pause, 0.05)
+        pause = min(2 * pause, longest)
     return True
 
 

@@ -801,3 +801,66 @@ def check_forced_staging_where_some_ranks_cannot():
 def test_forced_staging_where_some_ranks_cannot(gloo_ranks):
     for seen in gloo_ranks.run(check_forced_staging_where_some_ranks_cannot):
         assert seen == {"error": (True, True), "seconds": True, "unchanged": True, "torch's": True}, seen
+
+
+class _CountingStore:
+    """A client of a real ``TCPStore`` that counts the operations it sends, besides polls of the arrival counter."""
+
+    def __init__(self, store):
+        self.store, self.operations = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args):
+            polled = name == "add" and args[1] == 0 and args[0].endswith("/arrived")
+            self.operations += not polled
+            return method(*args)
+
+        return counted
+
+
+def _agree_as_threads(server, size: int, fingerprints: list, prefix: str):
+    """``_groups._exchange`` of ``size`` simulated ranks over one store server, a thread and a client each: each
+    rank's agreement or error, and the operations it sent besides its polls."""
+    from offload_shim import _groups
+
+    stores = [_CountingStore(dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", server.port, is_master=False)))
+              for _ in range(size)]
+    outcomes = [None] * size
+
+    def rank(each):
+        try:
+            outcomes[each] = _groups._exchange(stores[each], each, size, datetime.timedelta(seconds=60), "simulated",
+                                               fingerprints[each], None, "all_reduce")
+        except Exception as error:  # noqa: BLE001
+            outcomes[each] = error
+
+    threads = [threading.Thread(target=rank, args=(each,)) for each in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes, [store.operations for store in stores]
+
+
+def test_the_agreement_sends_as_many_store_operations_at_any_size():
+    """The ranks' agreement sends the same store operations a rank (five, besides its polls for the others) at 4
+    and at 32 simulated ranks; a group made again over the same store (its second agreement) compares afresh: one
+    rank that differs there is found, not hidden by the first agreement's answers. The design before read every
+    rank's key at every poll, and a new group's first agreement reused the number of the group it replaced."""
+    from offload_shim import StagingError, _groups
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mine = (_groups.WIRE_VERSION, 16 * MiB, False, MiB, True, None, True)
+    counts = {}
+    for size in (4, 32):
+        outcomes, operations = _agree_as_threads(server, size, [mine] * size, f"size{size}/")
+        assert all(isinstance(o, _groups._Agreement) and o.route and not o.unable for o in outcomes), outcomes
+        counts[size] = set(operations)
+    assert counts == {4: {5}, 32: {5}}, counts
+    other = (_groups.WIRE_VERSION, 8 * MiB, False, MiB, True, None, True)
+    outcomes, _ = _agree_as_threads(server, 4, [mine, mine, other, mine], "size4/")  # the same store again
+    messages = {str(o) for o in outcomes}
+    assert all(isinstance(o, StagingError) for o in outcomes) and len(messages) == 1, outcomes
+    assert "rank 2: chunk sizes (OFFLOAD_SHIM_CHUNK_BYTES) 8388608;" in messages.pop()
