@@ -11,9 +11,11 @@ Every environment variable offload_shim reads is named here, once.
     The device to stage through, e.g. ``cuda:1``. Unset: the device bound to the process group
     (``ProcessGroup.bound_device_id``), else the current device of ``torch.accelerator``.
 ``OFFLOAD_SHIM_CHUNK_BYTES`` (:data:`ENV_CHUNK_BYTES`)
-    Chunk size of the staging pipeline, in bytes (suffixes ``KiB``, ``MiB``, ``GiB`` accepted). Elementwise
-    collectives (all_reduce, broadcast, reduce) and ``DTensor.full_tensor`` of a ``Shard(0)`` DTensor of at least
-    two chunks are staged chunk by chunk; the staging footprint is two chunks on the accelerator (for
+    Chunk size of the staging pipeline, in bytes (suffixes ``KiB``, ``MiB``, ``GiB`` accepted), at least
+    :data:`MIN_SIZE_BYTES` (64 KiB), as every size variable (besides ``0`` where ``0`` has a meaning): a smaller
+    number is refused with :class:`ConfigError`, as a size whose unit was forgotten; :func:`configure` takes any.
+    Elementwise collectives (all_reduce, broadcast, reduce) and ``DTensor.full_tensor`` of a ``Shard(0)`` DTensor of
+    at least two chunks are staged chunk by chunk; the staging footprint is two chunks on the accelerator (for
     ``full_tensor``, two slots of one row per rank where a row is larger than a chunk over the ranks), and two
     more of pinned host memory for each direction with pageable tensors in an all_reduce, broadcast or reduce.
     Default :data:`DEFAULT_CHUNK_BYTES`.
@@ -88,6 +90,10 @@ LOG_LEVELS = {"warning": 30, "info": 20, "debug": 10}  # logging.WARNING, loggin
 # measured: results/gpu/2026-12-01-two-h200-gpu-tests-and-benchmark/bench.log, chunk sweep
 DEFAULT_CHUNK_BYTES = 16 << 20
 DEFAULT_ROUTE_MIN_BYTES = 1 << 20  # measured: Gloo beats NCCL staging below about 1 MiB
+# The least a size variable of the environment takes, besides 0 where 0 has a meaning: below it, a number is almost
+# always a size whose unit was forgotten (OFFLOAD_SHIM_CHUNK_BYTES=16 for 16 MiB splits a 256 KiB call into 16,384
+# collectives).
+MIN_SIZE_BYTES = 64 << 10
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -164,7 +170,10 @@ _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$", re.ASCII)  # (digits 0-9
 _UNIT = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
-def _parse_bytes(value, source: str, allow_off: bool = False, allow_zero: bool = False) -> int | None:
+def _parse_bytes(value, source: str, allow_off: bool = False, allow_zero: bool = False, least: int = 1) -> int | None:
+    """``value`` (an int, or a number with an optional unit) in bytes; ``None`` for ``off`` where ``allow_off``.
+    Raises :class:`ConfigError` for a malformed size, a negative one, 0 unless allowed, and one below ``least``
+    besides 0."""
     if allow_off and (value is None or (isinstance(value, str) and value.strip().lower() == "off")):
         return None
     if isinstance(value, int) and not isinstance(value, bool):
@@ -180,6 +189,12 @@ def _parse_bytes(value, source: str, allow_off: bool = False, allow_zero: bool =
         number = int(match.group(1)) * _UNIT[match.group(2)]
     if number < (0 if allow_off or allow_zero else 1):
         raise ConfigError(f"{source}={value!r} must be {'at least 0' if allow_off or allow_zero else 'positive'}")
+    if 0 < number < least:
+        zero = " (or 0)" if allow_off or allow_zero else ""
+        raise ConfigError(
+            f"{source}={value!r} is below the least size offload_shim takes from the environment, {least} bytes "
+            f"({least >> 10}KiB){zero}: a number without its unit? Give the unit, e.g. '16MiB'"
+        )
     return number
 
 
@@ -209,13 +224,15 @@ def settings_from_environment(environ=os.environ) -> Settings:
     return Settings(
         staging_device=_parse_device(given(ENV_STAGING_DEVICE), ENV_STAGING_DEVICE),
         always_stage=bool(parse_flag(ENV_ALWAYS_STAGE, environ)),
-        chunk_bytes=DEFAULT_CHUNK_BYTES if chunk is None else _parse_bytes(chunk, ENV_CHUNK_BYTES),
-        route_min_bytes=DEFAULT_ROUTE_MIN_BYTES if route is None else _parse_bytes(route, ENV_ROUTE_MIN_BYTES, True),
+        chunk_bytes=DEFAULT_CHUNK_BYTES if chunk is None else _parse_bytes(chunk, ENV_CHUNK_BYTES,
+                                                                          least=MIN_SIZE_BYTES),
+        route_min_bytes=DEFAULT_ROUTE_MIN_BYTES if route is None else _parse_bytes(route, ENV_ROUTE_MIN_BYTES, True,
+                                                                                   least=MIN_SIZE_BYTES),
         summary_at_exit=bool(parse_flag(ENV_SUMMARY, environ)),
         host_staging=parse_flag(ENV_HOST_STAGING, environ) is not False,
         graphs=parse_flag(ENV_GRAPHS, environ) is not False,
         register_bytes=0 if given(ENV_REGISTER_BYTES) is None else _parse_bytes(
-            given(ENV_REGISTER_BYTES), ENV_REGISTER_BYTES, allow_zero=True),
+            given(ENV_REGISTER_BYTES), ENV_REGISTER_BYTES, allow_zero=True, least=MIN_SIZE_BYTES),
     )
 
 

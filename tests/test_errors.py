@@ -123,6 +123,32 @@ def test_configure_and_the_environment_name_the_setting_and_its_values_alike():
     assert offload_shim.settings() == before
 
 
+def test_a_size_variable_below_the_least_size_is_refused():
+    """A size variable under 64 KiB (besides 0 where 0 has a meaning) is refused, named with the least size: it is
+    almost always a number whose unit was forgotten (``OFFLOAD_SHIM_CHUNK_BYTES=16`` once split a 256 KiB call into
+    16,384 collectives). ``configure()`` takes any size its setting takes."""
+    import offload_shim
+    from offload_shim import _config
+
+    for variable, small in ((_config.ENV_CHUNK_BYTES, "16"), (_config.ENV_CHUNK_BYTES, "65535"),
+                            (_config.ENV_CHUNK_BYTES, "1KiB"), (_config.ENV_ROUTE_MIN_BYTES, "1"),
+                            (_config.ENV_REGISTER_BYTES, "4")):
+        with pytest.raises(offload_shim.ConfigError, match=f"^{variable}={small!r} is below the least size .* "
+                                                            f"65536 bytes \\(64KiB\\).*a number without its unit"):
+            _config.settings_from_environment({variable: small})
+    given = _config.settings_from_environment({_config.ENV_CHUNK_BYTES: "64KiB", _config.ENV_ROUTE_MIN_BYTES: "0",
+                                               _config.ENV_REGISTER_BYTES: "0"})
+    assert (given.chunk_bytes, given.route_min_bytes, given.register_bytes) == (65536, 0, 0)
+    assert _config.settings_from_environment({_config.ENV_ROUTE_MIN_BYTES: "off"}).route_min_bytes is None
+    with pytest.raises(offload_shim.ConfigError, match="must be positive"):
+        _config.settings_from_environment({_config.ENV_CHUNK_BYTES: "0"})
+    before = offload_shim.configure(chunk_bytes=16)
+    try:
+        assert offload_shim.settings().chunk_bytes == 16
+    finally:
+        offload_shim.configure(**dataclasses.asdict(before))
+
+
 def test_a_blank_variable_is_unset():
     """A variable that is empty or only blanks reads as unset, whichever setting it is, as ``OFFLOAD_SHIM`` does."""
     from offload_shim import _config

@@ -26,6 +26,7 @@ import offload_shim
 from offload_shim import _staging
 
 dist.init_process_group("gloo")
+offload_shim.configure(chunk_bytes=16)  # (below the environment's least size: configure() takes any)
 rank, world = dist.get_rank(), dist.get_world_size()
 right, left = (rank + 1) % world, (rank - 1) % world
 mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("node", "local"))
@@ -57,7 +58,7 @@ def each(function):
 
 FAMILIES = {
     "all_reduce": each(dist.all_reduce),
-    "all_reduce pipelined": each(dist.all_reduce),  # 48 float32 in 16-byte chunks (OFFLOAD_SHIM_CHUNK_BYTES)
+    "all_reduce pipelined": each(dist.all_reduce),  # 48 float32 in 16-byte chunks (configure(chunk_bytes=16))
     "all_reduce async": lambda t: (dist.all_reduce(t, async_op=True).wait(), [t])[1],
     "broadcast from node 1": each(lambda t: dist.broadcast(t, src=3)),
     "reduce to node 1": lambda t: (dist.reduce(t, dst=2), [t] if rank == 2 else [])[1],
@@ -131,7 +132,7 @@ needs_cpu_only = pytest.mark.skipif(
 def test_two_nodes_on_one_machine(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    env = {**FORCED, "OFFLOAD_SHIM_CHUNK_BYTES": "16", "OFFLOAD_SHIM_LOG": "info", "OFFLOAD_SHIM_SUMMARY": "1"}
+    env = {**FORCED, "OFFLOAD_SHIM_LOG": "info", "OFFLOAD_SHIM_SUMMARY": "1"}
     stdout, stderr = _two_nodes(tmp_path, [str(script)], env)
     reports = sorted((json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")),
                      key=lambda r: r["rank"])
