@@ -501,6 +501,7 @@ class _Completion:
         self.finished = False
         self.waited = 0  # how many of the works have been waited
         self.token = None  # of expect_writes
+        self.quiet = None  # (silent)
         self.wait_lock = threading.Lock()  # held while waiting works; never by a future's callback
         self.finish_lock = threading.Lock()  # held while writing the results
 
@@ -523,6 +524,14 @@ class _Completion:
                     raise
                 self.waited += 1
         return self.settle()
+
+    def silent(self) -> bool:
+        """Whether a work of the call cannot tell that it completed until it is waited: one without a future
+        (Gloo's point-to-point works and its ``reduce_scatter_tensor``: their ``is_completed()`` stays false until
+        ``wait()``), which only a wait can finish. Asked once."""
+        if self.quiet is None:
+            self.quiet = not all(_has_future(work) for work in self.works)
+        return self.quiet
 
     def completed(self) -> bool:
         """Whether :meth:`wait` would return at once: the call finished, failed, or its works all completed."""
@@ -551,6 +560,14 @@ class _Completion:
         return True
 
 
+def _has_future(work) -> bool:
+    try:
+        work.get_future()
+    except (RuntimeError, AttributeError):  # "Work::getFuture not implemented"; a stand-in without one
+        return False
+    return True
+
+
 # Calls whose handles were dropped unwaited (state.unwaited), finished by one writer thread (state.writer, started
 # with the first handle, never from a finalizer). A SimpleQueue: its put() may run in a weakref callback, at any
 # point of any thread.
@@ -575,10 +592,12 @@ def _start_writer() -> None:
 
 def _write_unwaited(unwaited: queue.SimpleQueue) -> None:
     """The writer thread: finish each dropped handle's call once its collectives have completed, as torch's backends
-    write a call whose handle nobody waits for. It polls the calls' work handles and never waits in one: a call whose
-    peers are late holds up no other (of its group or another), and the process exits with calls outstanding as it
-    would without the shim. A failed call writes nothing; its error reaches no caller, as with torch's dropped
-    handle."""
+    write a call whose handle nobody waits for. It polls the calls whose works tell when they completed, and never
+    waits in one of them: a call whose peers are late holds up none of those (of its group or another). A call with
+    a work that tells nothing until waited (:meth:`_Completion.silent`) is waited, the oldest first, once every call
+    that could be finished in a poll has been: it is finished once its collective completes or fails (at the latest
+    at its group's timeout), never polled for ever. The process exits with calls outstanding as it would without the
+    shim. A failed call writes nothing; its error reaches no caller, as with torch's dropped handle."""
     outstanding: list[_Completion] = []
     pause = POLL_SECONDS[0]
     while True:
@@ -586,18 +605,26 @@ def _write_unwaited(unwaited: queue.SimpleQueue) -> None:
             outstanding.append(unwaited.get())
         while not unwaited.empty():
             outstanding.append(unwaited.get())
-        waiting = []
+        waiting, silent = [], None
         for call in outstanding:
             try:
                 if not call.completed():
                     waiting.append(call)
+                    if silent is None and call.silent():
+                        silent = call
                     continue
                 call.wait()  # (returns at once: every work completed)
             except Exception as error:  # noqa: BLE001 - the thread goes on for the other calls
                 _log.debug("offload_shim: a call whose handle was dropped unwaited failed: %r", error)
+        if silent is not None:
+            waiting.remove(silent)
+            try:
+                silent.wait()
+            except Exception as error:  # noqa: BLE001
+                _log.debug("offload_shim: a call whose handle was dropped unwaited failed: %r", error)
         pause = POLL_SECONDS[0] if len(waiting) < len(outstanding) else min(2 * pause, POLL_SECONDS[1])
         outstanding = waiting
-        if outstanding:
+        if outstanding and silent is None:
             time.sleep(pause)
 
 

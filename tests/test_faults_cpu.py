@@ -217,6 +217,42 @@ def test_dropped_call_waits_for_none_other(gloo_ranks):
         ([3.0] * 4, [3.0] * 4, [3.0] * 4), (None, [3.0] * 4, [3.0] * 4)]
 
 
+def check_dropped_handles_of_silent_works_are_written():
+    """Handles dropped unwaited whose works tell nothing until waited (Gloo's ``reduce_scatter_tensor``, ``isend``
+    and ``irecv``: no future, ``is_completed()`` false until ``wait()``) are finished all the same: each result
+    written once its collective completes, and nothing of theirs kept. Unchecked, they were polled for ever: their
+    results never written, their staged copies and the caller's tensors kept."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    outputs = [torch.zeros(2) for _ in range(50)]
+    received = torch.zeros(3)
+    with staging_through_cpu():
+        for index, output in enumerate(outputs):  # each handle dropped at once
+            dist.reduce_scatter_tensor(output, torch.full((2 * world,), float(rank + index)), async_op=True)
+        if rank % 2:  # (a ring: the odd ranks receive first)
+            dist.irecv(received, (rank - 1) % world)
+            dist.isend(torch.full((3,), float(rank)), (rank + 1) % world)
+        else:
+            dist.isend(torch.full((3,), float(rank)), (rank + 1) % world)
+            dist.irecv(received, (rank - 1) % world)
+        expected = [world * index + sum(range(world)) for index in range(50)]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+                [o[0].item() for o in outputs] == expected and received[0].item() == (rank - 1) % world):
+            time.sleep(0.01)
+        values = [o.tolist() for o in outputs], received.tolist()
+        while time.monotonic() < deadline and state.pending_writes:  # (released just after the last write)
+            time.sleep(0.01)
+        left = len(state.pending_writes)
+        dist.barrier()
+    assert values == ([[float(e)] * 2 for e in expected], [float((rank - 1) % world)] * 3), values
+    assert left == 0, state.pending_writes
+
+
+def test_dropped_handles_of_silent_works_are_written(gloo_ranks, three_gloo_ranks):
+    for ranks in (gloo_ranks, three_gloo_ranks):
+        ranks.run(check_dropped_handles_of_silent_works_are_written)
+
+
 def check_async_error_surfaces_where_torch_raises_it(numel):
     """A collective that fails (a peer that never joins, on a group with a short timeout): torch raises in
     ``wait()``, ``is_completed()`` returns True, the future carries torch's exception. Staged, the same, with the
