@@ -191,9 +191,8 @@ def _exchange(store, rank: int, size: int, timeout, label: str, mine: tuple, una
     store.set(f"{prefix}/{rank}", mine_json)
     store.add(f"{prefix}/{digest}", 1)
     arrived = store.add(f"{prefix}/arrived", 1)  # after its digest's count: every rank arrived has been counted
-    keys = [f"{prefix}/{each}" for each in range(size)]
     if arrived < size and not _wait_for(store, f"{prefix}/arrived", size, timeout.total_seconds()):  # one never came
-        missing = [each for each, key in enumerate(keys) if not store.check([key])]
+        missing = [each for each in range(size) if not store.check([f"{prefix}/{each}"])]
         raise StagingError(
             f"offload_shim: process group {label}: rank(s) {missing} of the group did not "
             f"compare staging settings within the group's timeout ({timeout}), where this rank does before "
@@ -206,7 +205,7 @@ def _exchange(store, rank: int, size: int, timeout, label: str, mine: tuple, una
     if store.add(f"{prefix}/{digest}", 0) == size:  # every rank's fingerprint is this one
         return _Agreement(mine=mine, route=mine[-1],
                           unable={} if unable is None else dict.fromkeys(range(size), unable))
-    values = [json.loads(value) for value in store.multi_get(keys)]
+    values = [json.loads(value) for value in store.multi_get([f"{prefix}/{each}" for each in range(size)])]
     fingerprints = [tuple(value["fingerprint"]) for value in values]
     differ = [what for what, at in _COMPARED.items() if len({f[at] for f in fingerprints}) > 1]
     if differ:
