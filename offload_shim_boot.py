@@ -5,8 +5,8 @@ its ``__init__``, which imports torch and installs the wrappers, and this module
   switches the shim on where ``OFFLOAD_SHIM`` asks, except in torchrun's own process, which runs no collective.
 * :func:`activate`, what every activation path ends in (the entry point and the sitecustomize drop-in): imports
   the package and, where the shim was asked for and is not installed, warns once per process with the cause and
-  the fix (a folder shadowing the package, wrapt missing, no torch.distributed, a malformed setting), at the
-  program's line that imported torch.
+  the fix (a folder shadowing the package, wrapt missing, no torch.distributed), at the program's line that
+  imported torch. A malformed ``OFFLOAD_SHIM`` is read as unset: :func:`autoload` switches nothing on, and says so.
 
 The command line is ``offload_shim_cli``.
 """
@@ -15,21 +15,37 @@ import os
 import sys
 import warnings
 
-_FALSE = ("0", "false", "no", "off")  # offload_shim._config's false spellings (that module imports torch)
 _warned = False  # activate() warns once per process, whichever paths asked for the shim
 
 
 def autoload() -> None:
     """torch loads this at the end of ``import torch`` in every interpreter where offload_shim is installed, so it
     must cost nothing and never fail: while ``OFFLOAD_SHIM`` is unset or empty it returns at once and imports
-    nothing; in torchrun's own process too (:func:`in_torchrun_launcher`); otherwise it calls :func:`activate`."""
+    nothing; in torchrun's own process too (:func:`in_torchrun_launcher`); a malformed value is read as unset, with
+    a warning (importing the package would install it); otherwise it calls :func:`activate`."""
     value = os.environ.get("OFFLOAD_SHIM", "")
     if in_torchrun_launcher():
         return
-    if value.strip():
-        activate(f"OFFLOAD_SHIM={value!r}")
-    else:
+    if not value.strip():
         warn_look_alikes()
+        return
+    import offload_shim_names
+
+    if value.strip().lower() in offload_shim_names.TRUE + offload_shim_names.FALSE:
+        activate(f"OFFLOAD_SHIM={value!r}")
+        return
+    # Malformed: read as its default, unset, so nothing is switched on here (importing the package would install
+    # it). Not where the package switches on all the same and warns of it itself: while it is being imported, or
+    # where the drop-in (which installs unless OFFLOAD_SHIM is false) is this process's sitecustomize.
+    if "offload_shim" in sys.modules or hasattr(sys.modules.get("sitecustomize"), "_offload_shim_activate"):
+        return
+    global _warned
+    if not _warned:
+        _warned = True
+        problem = offload_shim_names.not_a_boolean("OFFLOAD_SHIM", value)
+        warn_at_program("offload_shim is not enabled: "
+                        + offload_shim_names.malformed("OFFLOAD_SHIM", problem, offload_shim_names.SWITCH_DEFAULT))
+    warn_look_alikes()
 
 
 def warn_look_alikes() -> None:
@@ -135,7 +151,9 @@ def not_installed_reason(module) -> str | None:
             f"'offload_shim' was imported from {module.__file__}, which is not the offload_shim package: a module "
             "of that name comes first on sys.path; rename it or run from another folder"
         )
-    if module.is_installed() or os.environ.get("OFFLOAD_SHIM", "").strip().lower() in _FALSE:
+    import offload_shim_names
+
+    if module.is_installed() or os.environ.get("OFFLOAD_SHIM", "").strip().lower() in offload_shim_names.FALSE:
         return None
     import torch.distributed
 

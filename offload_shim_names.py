@@ -12,6 +12,24 @@ VARIABLES = (
     "OFFLOAD_SHIM_LOG", "OFFLOAD_SHIM_SUMMARY",
 )
 
+# The spellings of a boolean variable (any case, surrounding blanks ignored), and what a malformed OFFLOAD_SHIM,
+# the switch, means: its default, unset (start-up names it while the package is not imported).
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+SWITCH_DEFAULT = "unset (import torch switches nothing on; import offload_shim installs)"
+
+
+def not_a_boolean(name: str, raw: str) -> str:
+    """What is wrong with the value ``raw`` of the boolean variable ``name``, and the values it takes."""
+    return (f"{name}={raw!r} is not a boolean: use one of {sorted(TRUE)} to enable or {sorted(FALSE)} to disable "
+            "(case-insensitive)")
+
+
+def malformed(name: str, problem: str, default: str) -> str:
+    """The sentence for a malformed variable: ``problem`` (which names the variable, the value given and what it
+    takes), then the default the variable takes instead."""
+    return f"{problem}; {name} takes its default instead: {default}"
+
 
 def look_alikes(environ=os.environ) -> list[str]:
     """Sentences naming each variable of ``environ`` that looks like one of offload_shim's (:data:`VARIABLES`) but is

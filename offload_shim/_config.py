@@ -6,14 +6,15 @@ Every environment variable offload_shim reads is named here, once.
     Switches the shim at start-up. True: ``1``, ``true``, ``yes``, ``on``; false: ``0``, ``false``, ``no``,
     ``off`` (any case, surrounding spaces ignored). Unset or empty: ``import torch`` leaves torch alone, and
     ``import offload_shim`` installs the wrappers. False: nothing is installed by any activation path,
-    ``import offload_shim`` included. Any other value is rejected with :class:`ConfigError`.
+    ``import offload_shim`` included. Any other value is malformed: read as unset (the rule below).
 ``OFFLOAD_SHIM_STAGING_DEVICE`` (:data:`ENV_STAGING_DEVICE`)
     The device to stage through, e.g. ``cuda:1``. Unset: the device bound to the process group
     (``ProcessGroup.bound_device_id``), else the current device of ``torch.accelerator``.
 ``OFFLOAD_SHIM_CHUNK_BYTES`` (:data:`ENV_CHUNK_BYTES`)
-    Chunk size of the staging pipeline, in bytes (suffixes ``KiB``, ``MiB``, ``GiB`` accepted), at least
-    :data:`MIN_SIZE_BYTES` (64 KiB), as every size variable (besides ``0`` where ``0`` has a meaning): a smaller
-    number is refused with :class:`ConfigError`, as a size whose unit was forgotten; :func:`configure` takes any.
+    Chunk size of the staging pipeline, in bytes or with a unit (:data:`UNITS`: ``16MiB``, ``16MB``, ``16M``,
+    ``64k``, ``1.5MiB``, all binary), at least :data:`MIN_SIZE_BYTES` (64 KiB), as every size variable (besides
+    ``0`` where ``0`` has a meaning): a smaller number is malformed, as a size whose unit was forgotten;
+    :func:`configure` takes any.
     Elementwise collectives (all_reduce, broadcast, reduce) and ``DTensor.full_tensor`` of a ``Shard(0)`` DTensor of
     at least two chunks are staged chunk by chunk; the staging footprint is two chunks on the accelerator (for
     ``full_tensor``, two slots of one row per rank where a row is larger than a chunk over the ranks), and two
@@ -58,20 +59,26 @@ Every environment variable offload_shim reads is named here, once.
     at ``info`` also one line when the wrappers are installed and one line the first time a call from each line of
     code is staged (where, which collective, bytes, route, mode and why: ``offload_shim._counters``), at ``debug``
     also one line for every staging decision. Unset or empty: nothing is printed (the logger has a ``NullHandler``
-    only, for the application's own logging configuration). Any other value is rejected with :class:`ConfigError`.
+    only, for the application's own logging configuration). Any other value is malformed.
 ``OFFLOAD_SHIM_SUMMARY`` (:data:`ENV_SUMMARY`)
     A boolean, spelled as for ``OFFLOAD_SHIM``. True: when the interpreter exits, the process of rank 0 (``RANK`` 0,
     or no ``RANK`` at all) prints one table of its staged calls to standard error: calls, bytes and seconds by
     collective, route and mode (``offload_shim.staging_counters()``), or one line saying that no call was staged
     (not where ``RANK`` is unset: torchrun's own process imports the shim too, and stages nothing). Other ranks
-    print nothing. Unset, empty or false: nothing is printed. Any other value is rejected with :class:`ConfigError`.
+    print nothing. Unset, empty or false: nothing is printed. Any other value is malformed.
 
-Environment variables are read when offload_shim is imported; :func:`configure` changes the settings later.
+Environment variables are read when offload_shim is imported (:func:`read_environment`); :func:`configure` changes
+the settings later. A malformed value of any of them never switches the shim off: that variable alone takes its
+default (:data:`DEFAULTS` says which, in words), and start-up warns, in every process (so on every rank), naming the
+variable, the value given, the default used and what it takes. ``OFFLOAD_SHIM``'s default is unset, so a malformed
+switch switches nothing on at ``import torch`` (its warning says so) and ``import offload_shim`` installs.
+:func:`configure`, called by code, raises :class:`ConfigError` for a malformed argument instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import os
 import re
 
@@ -95,8 +102,8 @@ DEFAULT_ROUTE_MIN_BYTES = 1 << 20  # measured: Gloo beats NCCL staging below abo
 # collectives).
 MIN_SIZE_BYTES = 64 << 10
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
+_TRUE = frozenset(offload_shim_names.TRUE)
+_FALSE = frozenset(offload_shim_names.FALSE)
 
 
 class ConfigError(ValueError):
@@ -149,10 +156,7 @@ def parse_flag(name: str, environ=os.environ) -> bool | None:
         return True
     if value in _FALSE:
         return False
-    raise ConfigError(
-        f"{name}={raw!r} is not a boolean: use one of {sorted(_TRUE)} to enable or "
-        f"{sorted(_FALSE)} to disable (case-insensitive)"
-    )
+    raise ConfigError(offload_shim_names.not_a_boolean(name, raw))
 
 
 def _parse_device(value, source: str) -> torch.device | None:
@@ -166,12 +170,37 @@ def _parse_device(value, source: str) -> torch.device | None:
         raise ConfigError(f"{source}={value!r} is not a device: {exc}") from None
 
 
-_SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$", re.ASCII)  # (digits 0-9 only, not other scripts')
-_UNIT = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+# A number (digits 0-9 only, not other scripts'; a fraction with a dot) and a unit, spaces allowed between them.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$", re.ASCII)
+# Every unit binary, in any case: sizes of memory (chunks, pinned buffers), as torch's max_split_size_mb, dd's and
+# systemd's K, M and G mean them. The least surprising reading of "16MB" for a chunk is 16 MiB, the default.
+_UNIT = {"": 1, "b": 1}
+for _power, _letter in enumerate("kmgt", 1):
+    _UNIT.update({_letter: 1 << 10 * _power, _letter + "b": 1 << 10 * _power, _letter + "ib": 1 << 10 * _power})
+del _power, _letter
+UNITS = "B; k, KB, KiB = 1024 bytes; M, MB, MiB = 1024 KiB; G, GB, GiB = 1024 MiB; T, TB, TiB = 1024 GiB; any case"
+
+
+def parse_size(text: str) -> int:
+    """The bytes ``text`` gives: a whole number of bytes, or a number (a fraction too, with a dot) and a unit of
+    :data:`UNITS`, e.g. ``"1048576"``, ``"16MiB"``, ``"16 MB"``, ``"64k"``, ``"1.5MiB"`` (1572864).
+
+    Raises:
+        ValueError: ``text`` is no size (the message says why, without naming a variable), or a fraction of a byte.
+    """
+    match = _SIZE.match(text) if isinstance(text, str) else None
+    if match is None or match.group(2).lower() not in _UNIT:
+        raise ValueError(f"is not a size: give bytes, e.g. 1048576, or a number and a unit, e.g. 16MiB, 64k, "
+                         f"1.5GiB (units: {UNITS})")
+    exact = fractions.Fraction(match.group(1)) * _UNIT[match.group(2).lower()]
+    if exact.denominator != 1:
+        raise ValueError(f"is {float(exact):.10g} bytes, not a whole number of bytes: give one, e.g. 1572864 or "
+                         f"1.5MiB (units: {UNITS})")
+    return int(exact)
 
 
 def _parse_bytes(value, source: str, allow_off: bool = False, allow_zero: bool = False, least: int = 1) -> int | None:
-    """``value`` (an int, or a number with an optional unit) in bytes; ``None`` for ``off`` where ``allow_off``.
+    """``value`` (an int, or a string :func:`parse_size` reads) in bytes; ``None`` for ``off`` where ``allow_off``.
     Raises :class:`ConfigError` for a malformed size, a negative one, 0 unless allowed, and one below ``least``
     besides 0."""
     if allow_off and (value is None or (isinstance(value, str) and value.strip().lower() == "off")):
@@ -179,61 +208,105 @@ def _parse_bytes(value, source: str, allow_off: bool = False, allow_zero: bool =
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
-        match = _SIZE.match(value) if isinstance(value, str) else None
-        if match is None:
-            off = " or 'off'" if allow_off else ""
-            raise ConfigError(
-                f"{source}={value!r} is not a size: give bytes, e.g. 1048576, or a number with one of the units "
-                f"B, KiB, MiB, GiB (as spelled), e.g. '16MiB'{off}"
-            )
-        number = int(match.group(1)) * _UNIT[match.group(2)]
+        try:
+            number = parse_size(value)
+        except ValueError as exc:
+            off = "; or 'off'" if allow_off else ""
+            raise ConfigError(f"{source}={value!r} {exc}{off}") from None
     if number < (0 if allow_off or allow_zero else 1):
-        raise ConfigError(f"{source}={value!r} must be {'at least 0' if allow_off or allow_zero else 'positive'}")
+        raise ConfigError(f"{source}={value!r} must be {'at least 0' if allow_off or allow_zero else 'positive'}: give "
+                          f"a size, e.g. '16MiB' (units: {UNITS})")
     if 0 < number < least:
         zero = " (or 0)" if allow_off or allow_zero else ""
         raise ConfigError(
             f"{source}={value!r} is below the least size offload_shim takes from the environment, {least} bytes "
-            f"({least >> 10}KiB){zero}: a number without its unit? Give the unit, e.g. '16MiB'"
+            f"({least >> 10}KiB){zero}: a number without its unit? Give the unit, e.g. '16MiB' (units: {UNITS})"
         )
     return number
 
 
-def log_level_from_environment(environ=os.environ) -> int | None:
-    """The ``logging`` level :data:`ENV_LOG` asks for; ``None`` when it is unset or empty.
-
-    Raises:
-        ConfigError: the value is not one of :data:`LOG_LEVELS`.
-    """
-    raw = environ.get(ENV_LOG)
-    if raw is None or not raw.strip():
-        return None
+def _log_level(raw: str) -> int:
     level = LOG_LEVELS.get(raw.strip().lower())
     if level is None:
         raise ConfigError(f"{ENV_LOG}={raw!r} is not a log level: use one of {sorted(LOG_LEVELS)} (case-insensitive)")
     return level
 
 
-def settings_from_environment(environ=os.environ) -> Settings:
-    """Settings as the environment gives them (a variable unset, empty or blank: the default). Raises
-    :class:`ConfigError` for a malformed value."""
-    def given(name: str) -> str | None:
-        value = environ.get(name)
-        return value if value and value.strip() else None
+def _size_reader(name: str, **kinds):
+    return lambda raw: _parse_bytes(raw, name, least=MIN_SIZE_BYTES, **kinds)
 
-    chunk, route = given(ENV_CHUNK_BYTES), given(ENV_ROUTE_MIN_BYTES)
-    return Settings(
-        staging_device=_parse_device(given(ENV_STAGING_DEVICE), ENV_STAGING_DEVICE),
-        always_stage=bool(parse_flag(ENV_ALWAYS_STAGE, environ)),
-        chunk_bytes=DEFAULT_CHUNK_BYTES if chunk is None else _parse_bytes(chunk, ENV_CHUNK_BYTES,
-                                                                          least=MIN_SIZE_BYTES),
-        route_min_bytes=DEFAULT_ROUTE_MIN_BYTES if route is None else _parse_bytes(route, ENV_ROUTE_MIN_BYTES, True,
-                                                                                   least=MIN_SIZE_BYTES),
-        summary_at_exit=bool(parse_flag(ENV_SUMMARY, environ)),
-        host_staging=parse_flag(ENV_HOST_STAGING, environ) is not False,
-        graphs=parse_flag(ENV_GRAPHS, environ) is not False,
-        register_bytes=0 if given(ENV_REGISTER_BYTES) is None else _parse_bytes(
-            given(ENV_REGISTER_BYTES), ENV_REGISTER_BYTES, allow_zero=True, least=MIN_SIZE_BYTES),
+
+def _flag_reader(name: str):
+    return lambda raw: parse_flag(name, {name: raw})
+
+
+# Each variable: how its value is read (raising ConfigError for a malformed one), and its default, in words, as
+# the warning for a malformed value names it.
+_READERS = {
+    ENV_ENABLE: (_flag_reader(ENV_ENABLE), offload_shim_names.SWITCH_DEFAULT),
+    ENV_STAGING_DEVICE: (lambda raw: _parse_device(raw, ENV_STAGING_DEVICE),
+                         "unset (the group's bound device, else the current accelerator device)"),
+    ENV_ALWAYS_STAGE: (_flag_reader(ENV_ALWAYS_STAGE), "false"),
+    ENV_CHUNK_BYTES: (_size_reader(ENV_CHUNK_BYTES), f"16MiB ({DEFAULT_CHUNK_BYTES} bytes)"),
+    ENV_ROUTE_MIN_BYTES: (_size_reader(ENV_ROUTE_MIN_BYTES, allow_off=True), f"1MiB ({DEFAULT_ROUTE_MIN_BYTES} bytes)"),
+    ENV_HOST_STAGING: (_flag_reader(ENV_HOST_STAGING), "true"),
+    ENV_GRAPHS: (_flag_reader(ENV_GRAPHS), "true"),
+    ENV_REGISTER_BYTES: (_size_reader(ENV_REGISTER_BYTES, allow_zero=True), "0 (nothing registered)"),
+    ENV_LOG: (_log_level, "unset (nothing printed)"),
+    ENV_SUMMARY: (_flag_reader(ENV_SUMMARY), "false (no table at exit)"),
+}
+assert tuple(_READERS) == ENVIRONMENT
+DEFAULTS = {name: default for name, (_, default) in _READERS.items()}  # each variable's default, in words
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """What the environment gives: each variable's value, or its default where it is unset, empty, blank or
+    malformed.
+
+    Attributes:
+        enabled: ``OFFLOAD_SHIM``: ``True``, ``False``, or ``None`` (unset, empty or malformed).
+        settings: the settings the other variables give.
+        log_level: the ``logging`` level ``OFFLOAD_SHIM_LOG`` asks for; ``None``: nothing printed.
+        malformed: one sentence per malformed variable, in the order of :data:`ENVIRONMENT`: the variable, the value
+            given, what it takes, and the default used instead.
+    """
+
+    enabled: bool | None
+    settings: Settings
+    log_level: int | None
+    malformed: tuple[str, ...]
+
+
+def read_environment(environ=os.environ) -> Environment:
+    """Read every variable of :data:`ENVIRONMENT`. Never raises: a malformed value leaves that variable at its
+    default, and :attr:`Environment.malformed` says so."""
+    values, malformed = {}, []
+    for name, (read, default) in _READERS.items():
+        raw = environ.get(name)
+        if raw is None or not raw.strip():
+            continue
+        try:
+            values[name] = read(raw)
+        except ConfigError as exc:
+            malformed.append(offload_shim_names.malformed(name, str(exc), default))
+    chosen = Settings(
+        staging_device=values.get(ENV_STAGING_DEVICE),
+        always_stage=values.get(ENV_ALWAYS_STAGE, False),
+        chunk_bytes=values.get(ENV_CHUNK_BYTES, DEFAULT_CHUNK_BYTES),
+        route_min_bytes=values.get(ENV_ROUTE_MIN_BYTES, DEFAULT_ROUTE_MIN_BYTES),
+        summary_at_exit=values.get(ENV_SUMMARY, False),
+        host_staging=values.get(ENV_HOST_STAGING, True),
+        graphs=values.get(ENV_GRAPHS, True),
+        register_bytes=values.get(ENV_REGISTER_BYTES, 0),
     )
+    return Environment(values.get(ENV_ENABLE), chosen, values.get(ENV_LOG), tuple(malformed))
+
+
+def settings_from_environment(environ=os.environ) -> Settings:
+    """Settings as the environment gives them (:func:`read_environment`: a variable unset, empty, blank or
+    malformed gives its default)."""
+    return read_environment(environ).settings
 
 
 _settings = Settings()
@@ -326,7 +399,9 @@ def inert_settings(current: Settings, accelerator_available: bool) -> list[str]:
     return []
 
 
-def load_environment() -> None:
-    """Replace the settings with those the environment gives. Raises :class:`ConfigError`."""
-    new = settings_from_environment()
-    _replace(lambda _: new)
+def load_environment() -> Environment:
+    """Replace the settings with those the environment gives (:func:`read_environment`, which it returns: its
+    ``malformed`` sentences are for start-up to warn of). Never raises."""
+    read = read_environment()
+    _replace(lambda _: read.settings)
+    return read

@@ -27,14 +27,12 @@ def activate_on_import(install, is_installed) -> bool:
     """Read the environment and ``install()`` the wrappers unless ``OFFLOAD_SHIM`` is false (the package's own
     ``install`` and ``is_installed``, handed in by its ``__init__``: this module imports nothing of it).
 
-    Runs once per process: later calls (``importlib.reload(offload_shim)``) change nothing.
+    Runs once per process: later calls (``importlib.reload(offload_shim)``) change nothing. Never raises for the
+    environment: a malformed variable takes its default, and this process warns of it
+    (``offload_shim._config.read_environment``).
 
     Returns:
         Whether the wrappers are installed.
-
-    Raises:
-        ConfigError: an ``OFFLOAD_SHIM*`` variable is malformed (while ``OFFLOAD_SHIM`` is not false: switched off,
-            a malformed other variable is a warning); nothing is installed then.
     """
     global _activated
     if _activated:
@@ -42,9 +40,6 @@ def activate_on_import(install, is_installed) -> bool:
     _activated = True
     try:
         return _activate(install)
-    except _config.ConfigError:
-        _activated = False  # a later `import offload_shim` raises it again, rather than importing switched off
-        raise
     finally:  # at the line that imported the package: this function's caller is its __init__ (the import
         # system's frames between that line and the __init__ are skipped)
         for message in _to_warn:
@@ -52,27 +47,23 @@ def activate_on_import(install, is_installed) -> bool:
         _to_warn.clear()
 
 
+def run_as_the_command() -> bool:
+    """Whether this process is ``python -m offload_shim ...``, whose ``info`` and ``doctor`` report the environment
+    themselves, in their output (the package is imported before its ``__main__`` runs)."""
+    argv = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and any(
+        flag == "-m" and module == "offload_shim" for flag, module in zip(argv[1:], argv[2:]))
+
+
 def _activate(install) -> bool:
-    if sys.argv[:1] == ["-m"]:
-        # `python -m offload_shim ...` imports the package before its __main__ runs (sys.argv[0] is "-m" while
-        # Python locates the module): the command line reports a malformed variable itself, in one line, as the
-        # `offload-shim` command does.
-        try:
-            _config.parse_flag(_config.ENV_ENABLE)
-            _config.settings_from_environment()
-            _config.log_level_from_environment()
-        except _config.ConfigError:
-            return False
-    enabled = _config.parse_flag(_config.ENV_ENABLE)
-    if enabled is False:
+    read = _config.load_environment()  # (the settings apply to a later install() even while switched off)
+    if not run_as_the_command():
+        for sentence in read.malformed:
+            _warn(f"offload_shim: {sentence}")
+    if read.enabled is False:
         _log.debug("offload_shim: %s is false; wrappers not installed", _config.ENV_ENABLE)
-        try:  # the settings still apply to a later install(); switched off, a bad one only warns
-            _config.load_environment()
-        except _config.ConfigError as exc:
-            _warn(f"offload_shim: {exc}; default settings kept")
         return False
-    _config.load_environment()
-    _log_to_stderr(_config.log_level_from_environment())
+    _log_to_stderr(read.log_level)
     import torch
 
     # Settings that would be ignored without a word: misspelt names, and those that cannot act here.
