@@ -8,7 +8,8 @@
 
 A top-level module outside the package, so that ``run``, ``dropin``, ``--help``, ``run --help`` and ``--version``
 import neither torch nor the package (importing the package installs the wrappers). ``info`` and ``doctor`` import
-both when they run. The start-up module, ``offload_shim_boot``, is the only other part that must stay import-free;
+both when they run, and so describe their own process, as they say: a job's ranks say the same of themselves
+(:data:`FOR_THE_JOB`). The start-up module, ``offload_shim_boot``, is the only other part that must stay import-free;
 this one takes from it the reasons the shim is not enabled.
 """
 
@@ -148,7 +149,8 @@ def write_dropin(directory: str, force: bool = False) -> int:
 def main(argv=None) -> int:
     """``offload-shim run [--] CMD [ARG...]``, ``dropin DIR``, ``info`` or ``doctor``; ``--help``, ``run --help``
     and ``--version`` print and exit 0. ``info`` and ``doctor`` import the package: where that fails, one line
-    says why (exit status 2 for a malformed setting, 1 otherwise)."""
+    says why (exit status 1; 2 for a ``ValueError``). A malformed variable is no failure: it takes its default, and
+    both report it (doctor as a problem)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
         return run_command(argv[1:])
@@ -159,13 +161,31 @@ def main(argv=None) -> int:
     if args.command == "dropin":
         return write_dropin(args.directory, args.force)
     try:
-        with warnings.catch_warnings():  # a malformed variable is reported below, in one line (this process is ours)
+        with warnings.catch_warnings():  # a malformed variable is reported below, in the output (this process is ours)
             warnings.simplefilter("ignore", RuntimeWarning)
             import offload_shim  # noqa: F401 - installs the wrappers, as in a training process
     except Exception as exc:
         print(f"offload-shim: {import_failure(exc)}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
     return info() if args.command == "info" else doctor(args.backend)
+
+
+# What info and doctor describe: their own process, which imported offload_shim to answer, and how to see the same of
+# a job's ranks, each of which says it itself.
+FOR_THE_JOB = (
+    "each rank says it itself: with OFFLOAD_SHIM_LOG=info, a rank where the shim is on writes first "
+    "'[rank R pid P] offload_shim VERSION: installed (torch ..., settings Settings(...))' (no such line: off there); "
+    "with OFFLOAD_SHIM_SUMMARY=1, rank 0 prints at exit 'offload_shim: staged calls on rank 0 (pid P):' and its "
+    "table, or 'offload_shim: no call was staged on rank 0 (pid P)'; a malformed variable is a RuntimeWarning in "
+    "every rank; torchrun ... -m offload_shim doctor checks each rank's group"
+)
+
+
+def this_process(command: str) -> str:
+    """The row saying which process ``command`` (``info``, ``doctor``) describes: its own."""
+    rank = os.environ.get("RANK", "").strip()
+    where = f"rank {rank} of the job torchrun started for it" if rank else "RANK unset: no rank of a job"
+    return f"pid {os.getpid()}, offload-shim {command}'s own ({where}); these rows describe it, not your job's ranks"
 
 
 def _info() -> int:
@@ -180,6 +200,7 @@ def _info() -> int:
     accelerator = torch.accelerator.current_accelerator()
     entry_points = [e.value for e in importlib.metadata.entry_points(group="torch.backends") if e.name == "offload_shim"]
     rows = [
+        ("this process", this_process("info")),
         ("offload_shim", offload_shim.__version__),
         ("torch", torch.__version__),
         ("wrapt", getattr(wrapt, "__version__", "?")),
@@ -188,45 +209,30 @@ def _info() -> int:
         ("torch.backends entry point", entry_points or "not registered (is the package installed?)"),
         (_config.ENV_ENABLE, os.environ.get(_config.ENV_ENABLE, "<unset>")),
         ("settings", offload_shim.settings()),
-        ("installed", f"{offload_shim.is_installed()} (this command imported offload_shim, which installs it)"),
+        ("installed", f"{offload_shim.is_installed()} in this process (pid {os.getpid()}: this command imported "
+                      "offload_shim, which installs it)"),
         ("wrapped so far", ", ".join(sorted(offload_shim.wrapped_functions())) or "-"),
         ("", "(the functional collectives' Python functions are wrapped when torch imports their module; the "
              "collective ops of compiled code, the functional collectives and DTensor at install)"),
+        ("your job's ranks", FOR_THE_JOB),
     ]
+    rows += [("malformed", sentence) for sentence in _config.read_environment().malformed]
     for key, value in rows:
         print(f"{key:30s} {value}")
     return 0
 
 
-def _malformed_setting() -> int | None:
-    """Exit status 2, after one line on standard error naming a malformed ``OFFLOAD_SHIM*`` variable and the values
-    it takes (as :func:`main` reports it when importing the package raises); ``None`` where every
-    variable is well formed."""
-    from offload_shim import _config
-
-    try:
-        _config.parse_flag(_config.ENV_ENABLE)
-        _config.settings_from_environment()
-        _config.log_level_from_environment()
-    except _config.ConfigError as exc:
-        print(f"offload-shim: {exc}", file=sys.stderr)
-        return 2
-    return None
-
-
 def info() -> int:
-    """``offload-shim info``; a malformed setting is one line and exit status 2."""
-    return _malformed_setting() or _info()
+    """``offload-shim info``: this process's versions, settings and wrappers, and each malformed variable (which
+    takes its default). Exit status 0."""
+    return _info()
 
 
 def doctor(backend: str | None = None) -> int:
     """``offload-shim doctor``: print what decides whether the shim works in this environment, then, under
     torchrun (``RANK`` and ``WORLD_SIZE`` set), make the default process group (``backend``, default the
-    accelerator's own) and check each rank. Returns 1 with the problems listed where the shim would not work,
-    2 for a malformed setting, 0 otherwise."""
-    malformed = _malformed_setting()
-    if malformed:
-        return malformed
+    accelerator's own) and check each rank. Returns 1 with the problems listed where the shim would not work, or
+    would not as the environment asks (a malformed variable, which takes its default), 0 otherwise."""
     import torch.distributed as dist
 
     problems, notes = [], []
@@ -266,6 +272,7 @@ def _environment_rows(problems: list, notes: list) -> list:
     accelerator = torch.accelerator.current_accelerator()
     available = torch.accelerator.is_available()
     rows = [
+        ("this process", this_process("doctor")),
         ("python", f"{sys.version.split()[0]} ({sys.executable})"),
         ("offload_shim", f"{offload_shim.__version__} ({os.path.dirname(offload_shim.__file__)})"),
         ("torch", torch.__version__),
@@ -292,12 +299,14 @@ def _environment_rows(problems: list, notes: list) -> list:
     dropin = getattr(sys.modules.get("sitecustomize"), "__file__", None)
     has_dropin = hasattr(sys.modules.get("sitecustomize"), "_offload_shim_activate")
     rows.append(("sitecustomize drop-in", dropin if has_dropin else "none"))
-    enabled = _config.parse_flag(_config.ENV_ENABLE)
+    read = _config.read_environment()
+    enabled = read.enabled
+    switch_malformed = enabled is None and os.environ.get(_config.ENV_ENABLE, "").strip()
     if enabled and not has_dropin and not entry:
         problems.append("OFFLOAD_SHIM is set but the torch.backends entry point is not registered: install the package (pip install)")
     elif enabled and not has_dropin and not autoload:
         problems.append(AUTOLOAD_OFF)
-    if enabled is None and not has_dropin:
+    if enabled is None and not has_dropin and not switch_malformed:  # (malformed: a problem below)
         notes.append("OFFLOAD_SHIM is unset: import torch alone does not switch the shim on here (set OFFLOAD_SHIM=1, "
                      "use offload-shim run, import offload_shim, or the drop-in)")
     if enabled is False:
@@ -308,16 +317,22 @@ def _environment_rows(problems: list, notes: list) -> list:
         at_import = "switches the shim on (OFFLOAD_SHIM, through the torch.backends entry point)"
     elif enabled:
         at_import = "does nothing (see the problem below)"
+    elif switch_malformed:
+        at_import = "does nothing: OFFLOAD_SHIM is malformed, read as unset (see the problem below)"
     else:
         at_import = "does nothing: OFFLOAD_SHIM is unset (a script's own import offload_shim still switches it on)"
     rows.append(("import torch in a program here", at_import))
-    rows.append(("installed in this process", "yes, by this command, which imports offload_shim"
+    rows.append(("installed in this process", f"yes, by this command, which imports offload_shim (pid {os.getpid()})"
                  if offload_shim.is_installed() else "no: OFFLOAD_SHIM is false"))
+    rows.append(("your job's ranks", FOR_THE_JOB))
 
     defaults = _config.Settings()
+    malformed = {sentence.partition("=")[0]: sentence for sentence in read.malformed}
     for name in _config.ENVIRONMENT:
         raw = os.environ.get(name)
-        shown = "<unset>" if raw is None else f"{raw!r} (environment)" if raw.strip() else f"{raw!r} (empty: as unset)"
+        shown = "<unset>" if raw is None else f"{raw!r} (empty: as unset)" if not raw.strip() else (
+            f"{raw!r} (malformed, so its default: {_config.DEFAULTS[name]})" if name in malformed
+            else f"{raw!r} (environment)")
         rows.append((name, shown))
     settings = offload_shim.settings()
     for field in dataclasses.fields(settings):
@@ -325,7 +340,7 @@ def _environment_rows(problems: list, notes: list) -> list:
         source = "default" if value == getattr(defaults, field.name) else "set"
         rows.append((f"  {field.name}", f"{value} ({source})"))
     notes += _config.inert_settings(settings, available)
-    problems += _config.unknown_variables()
+    problems += list(read.malformed) + _config.unknown_variables()
     device = settings.staging_device
     if device is not None and device.type != "cpu" and not _devices._usable(device):
         problems.append(

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -51,18 +52,29 @@ def dash_m(*args, env=None):
 
 
 @pytest.mark.parametrize(
-    "command, variable, value, message",
+    "command, variable, value, message, default",
     # -m with a malformed OFFLOAD_SHIM: the package is half imported when torch's entry point asks for it
-    [(cli, "OFFLOAD_SHIM_CHUNK_BYTES", "abc", "is not a size"), (dash_m, "OFFLOAD_SHIM", "maybe", "is not a boolean")],
+    [(cli, "OFFLOAD_SHIM_CHUNK_BYTES", "abc", "is not a size", "16MiB (16777216 bytes)"),
+     (dash_m, "OFFLOAD_SHIM", "maybe", "is not a boolean", "unset (import torch switches nothing on; import "
+      "offload_shim installs)")],
     ids=["offload-shim", "python -m offload_shim"],
 )
-def test_info_reports_a_malformed_setting_as_a_message(command, variable, value, message):
-    """Both spellings: one line naming the variable, exit status 2, no traceback, no warning (with OFFLOAD_SHIM
-    false, importing the package warns of a malformed variable; the command reports it once, its own way)."""
+def test_info_and_doctor_report_a_malformed_setting_and_its_default(command, variable, value, message, default):
+    """Both spellings: info shows the settings in force (that variable's default) and one row naming the variable,
+    the value and the default, exit status 0; doctor shows the value as malformed and makes it a problem, exit status
+    1; neither a traceback nor a warning (the command reports it once, its own way)."""
     env = {variable: value, **({} if variable == "OFFLOAD_SHIM" else {"OFFLOAD_SHIM": "0"})}
+    sentence = f"{variable}={value!r} {message}"
     out = command("info", env=env)
-    lines = out.stderr.splitlines()  # torch may warn first (e.g. NumPy missing)
-    assert out.returncode == 2 and any(l.startswith(f"offload-shim: {variable}={value!r} {message}") for l in lines), out
+    rows = [line for line in out.stdout.splitlines() if line.startswith("malformed ")]
+    assert out.returncode == 0 and len(rows) == 1, out
+    assert rows[0].split(None, 1)[1].startswith(sentence), rows
+    assert rows[0].endswith(f"; {variable} takes its default instead: {default}"), rows
+    assert "chunk_bytes=16777216" in out.stdout
+    assert "Traceback" not in out.stderr and "RuntimeWarning" not in out.stderr, out.stderr
+    out = command("doctor", env=env)
+    assert out.returncode == 1 and f"{variable:32s} {value!r} (malformed, so its default: {default})\n" in out.stdout
+    assert f"PROBLEM: {sentence}" in out.stdout, out.stdout
     assert "Traceback" not in out.stderr and "RuntimeWarning" not in out.stderr, out.stderr
 
 
@@ -136,11 +148,38 @@ def test_run_warns_when_torch_runs_no_entry_points():
                                  "torch.backends entry point"), out.stderr
 
 
+def test_info_and_doctor_say_which_process_they_describe():
+    """Both answer for their own process, which imported offload_shim to answer, and say so in their first row,
+    with how to see the same of a job's ranks: each rank's first log line, rank 0's table at exit, doctor under
+    torchrun."""
+    import offload_shim
+
+    for command, width in (("info", 30), ("doctor", 32)):
+        out = cli(command)
+        first = out.stdout.splitlines()[0]
+        assert re.fullmatch(rf"this process {' ' * (width - 13)} pid \d+, offload-shim {command}'s own \(RANK unset: no "
+                            r"rank of a job\); these rows describe it, not your job's ranks", first), first
+        (job,) = [line for line in out.stdout.splitlines() if line.startswith("your job's ranks ")]
+        for said in ("with OFFLOAD_SHIM_LOG=info, a rank where the shim is on writes first '[rank R pid P] "
+                     "offload_shim VERSION: installed (torch ..., settings Settings(...))'",
+                     "with OFFLOAD_SHIM_SUMMARY=1, rank 0 prints at exit 'offload_shim: staged calls on rank 0 (pid P):'",
+                     "'offload_shim: no call was staged on rank 0 (pid P)'",
+                     "torchrun ... -m offload_shim doctor checks each rank's group"):
+            assert said in job, (said, job)
+    # The lines quoted are the package's own: the one logged at install, and the summary's.
+    package = "\n".join(path.read_text() for path in pathlib.Path(offload_shim.__file__).parent.glob("*.py"))
+    for literal in ('"offload_shim %s: installed (torch %s, settings %s)"', "staged calls on", "no call was staged on"):
+        assert literal in package, literal
+    rank = cli("info", env={"RANK": "3"}).stdout.splitlines()[0]
+    assert "offload-shim info's own (rank 3 of the job torchrun started for it)" in rank, rank
+
+
 def test_doctor_says_who_installed_the_shim():
     """doctor imports offload_shim, which installs the wrappers in its own process: it says so, and says separately
     what import torch does in a program here."""
     unset = cli("doctor")
-    assert "installed in this process        yes, by this command, which imports offload_shim\n" in unset.stdout
+    assert re.search(r"^installed in this process        yes, by this command, which imports offload_shim \(pid \d+\)$",
+                     unset.stdout, re.M), unset.stdout
     assert "import torch in a program here   does nothing: OFFLOAD_SHIM is unset" in unset.stdout
     asked = cli("doctor", env={"OFFLOAD_SHIM": "1"})
     assert ("import torch in a program here   switches the shim on (OFFLOAD_SHIM, through the torch.backends entry "
