@@ -7,9 +7,10 @@ import subprocess
 import sys
 import textwrap
 
-SHIM_VARIABLES = ("OFFLOAD_SHIM", "OFFLOAD_SHIM_STAGING_DEVICE", "OFFLOAD_SHIM_ALWAYS_STAGE", "OFFLOAD_SHIM_CHUNK_BYTES",
-                  "OFFLOAD_SHIM_ROUTE_MIN_BYTES", "OFFLOAD_SHIM_HOST_STAGING", "OFFLOAD_SHIM_LOG", "OFFLOAD_SHIM_SUMMARY",
-                  "TORCH_DEVICE_BACKEND_AUTOLOAD")
+import offload_shim_names
+
+# Every variable of offload_shim's (the one list), and torch's that switches its entry points off.
+SHIM_VARIABLES = (*offload_shim_names.VARIABLES, "TORCH_DEVICE_BACKEND_AUTOLOAD")
 
 
 def environment(env: dict | None = None, site: str | None = None) -> dict:

@@ -5,6 +5,7 @@ The group serves only ``cuda`` (``init_process_group("cuda:gloo")``) on a machin
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -101,7 +102,7 @@ def test_public_exceptions_have_public_paths():
 
 def test_configure_and_the_environment_name_the_setting_and_its_values_alike():
     """A malformed value names the setting as it was given (the variable, or configure()'s argument) and what it
-    takes, and changes nothing."""
+    takes: configure() raises it and changes nothing; the environment gives the variable's default, and says so."""
     import offload_shim
     from offload_shim import _config
 
@@ -118,30 +119,32 @@ def test_configure_and_the_environment_name_the_setting_and_its_values_alike():
         (name, value), (variable, raw) = next(iter(changes.items())), next(iter(environ.items()))
         with pytest.raises(offload_shim.ConfigError, match=f"^{name}={value!r} {message}"):
             offload_shim.configure(**changes)
-        with pytest.raises(offload_shim.ConfigError, match=f"^{variable}={raw!r} {message}"):
-            _config.settings_from_environment(environ)
+        read = _config.read_environment(environ)
+        (sentence,) = read.malformed
+        assert read.settings == _config.Settings() and sentence.startswith(f"{variable}={raw!r} {message}"), sentence
+        assert sentence.endswith(f"; {variable} takes its default instead: {_config.DEFAULTS[variable]}"), sentence
     assert offload_shim.settings() == before
 
 
-def test_a_size_variable_below_the_least_size_is_refused():
-    """A size variable under 64 KiB (besides 0 where 0 has a meaning) is refused, named with the least size: it is
-    almost always a number whose unit was forgotten (``OFFLOAD_SHIM_CHUNK_BYTES=16`` once split a 256 KiB call into
-    16,384 collectives). ``configure()`` takes any size its setting takes."""
+def test_a_size_variable_below_the_least_size_is_malformed():
+    """A size variable under 64 KiB (besides 0 where 0 has a meaning) is malformed, named with the least size, and
+    takes its default: it is almost always a number whose unit was forgotten (``OFFLOAD_SHIM_CHUNK_BYTES=16`` once
+    split a 256 KiB call into 16,384 collectives). ``configure()`` takes any size its setting takes."""
     import offload_shim
     from offload_shim import _config
 
     for variable, small in ((_config.ENV_CHUNK_BYTES, "16"), (_config.ENV_CHUNK_BYTES, "65535"),
                             (_config.ENV_CHUNK_BYTES, "1KiB"), (_config.ENV_ROUTE_MIN_BYTES, "1"),
                             (_config.ENV_REGISTER_BYTES, "4")):
-        with pytest.raises(offload_shim.ConfigError, match=f"^{variable}={small!r} is below the least size .* "
-                                                            f"65536 bytes \\(64KiB\\).*a number without its unit"):
-            _config.settings_from_environment({variable: small})
+        read = _config.read_environment({variable: small})
+        assert read.settings == _config.Settings(), (variable, small)
+        assert re.match(f"^{variable}={small!r} is below the least size .* 65536 bytes \\(64KiB\\).*a number "
+                        "without its unit", read.malformed[0]), read.malformed
     given = _config.settings_from_environment({_config.ENV_CHUNK_BYTES: "64KiB", _config.ENV_ROUTE_MIN_BYTES: "0",
                                                _config.ENV_REGISTER_BYTES: "0"})
     assert (given.chunk_bytes, given.route_min_bytes, given.register_bytes) == (65536, 0, 0)
     assert _config.settings_from_environment({_config.ENV_ROUTE_MIN_BYTES: "off"}).route_min_bytes is None
-    with pytest.raises(offload_shim.ConfigError, match="must be positive"):
-        _config.settings_from_environment({_config.ENV_CHUNK_BYTES: "0"})
+    assert "must be positive" in _config.read_environment({_config.ENV_CHUNK_BYTES: "0"}).malformed[0]
     before = offload_shim.configure(chunk_bytes=16)
     try:
         assert offload_shim.settings().chunk_bytes == 16
