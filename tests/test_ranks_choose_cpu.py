@@ -24,7 +24,7 @@ from offload_shim import _devices
 from offload_shim._state import state
 import recording
 from bitwise import same_bits
-from observe import configured, counting_calls
+from observe import configured, counting_calls, ctrl_c_raising
 from test_staging_cpu import rank_input, staging_through_cpu
 
 MiB = 1 << 20
@@ -182,6 +182,7 @@ def test_gather_input_inside_its_output_on_one_rank(gloo_ranks, three_gloo_ranks
             assert results == [(["cpu"], True)] * 2, results
 
 
+@ctrl_c_raising()
 def check_ctrl_c_inside_a_pipelined_call(first: bool):
     """Rank 0 gets SIGINT while a 4 MiB all_reduce in 1 MiB chunks runs (during its second chunk; or, ``first``,
     while the ranks compare settings before a group's first call): as after torch's one C++ call, the
@@ -239,6 +240,7 @@ def test_ctrl_c_inside_a_pipelined_call(gloo_ranks, first):
     assert results == [(True, True, [3.0] * 4), (False, True, [3.0] * 4)], results
 
 
+@ctrl_c_raising()
 def check_ctrl_c_inside_a_staged_call(mode: str):
     """Rank 0 gets SIGINT once the collective of a staged all_reduce is done on it and before its result is copied
     back: a small call (64 bytes), one staged whole (2 MiB, the chunks 4 MiB), or an asynchronous one whose
@@ -307,6 +309,7 @@ def _ctrl_c_raises() -> bool:
     return False
 
 
+@ctrl_c_raising()
 def check_ctrl_c_after_first_calls(case: str):
     """A group's first staged call, in which the ranks agree on their settings first: refused after the agreement
     and before anything is staged (an output whose elements share memory; a non-contiguous ``batch_isend_irecv``
@@ -345,6 +348,7 @@ def test_ctrl_c_after_first_calls(gloo_ranks, case):
     assert gloo_ranks.run(check_ctrl_c_after_first_calls, case) == [(True, True)] * 2
 
 
+@ctrl_c_raising()
 def check_ctrl_c_inside_the_wait_of_a_chunked_call():
     """Rank 0 gets SIGINT while it waits for an asynchronous 4 MiB all_reduce in 1 MiB chunks, which rank 1 joins only
     once the signal is sent: the ``KeyboardInterrupt`` comes once the tensor holds torch's result, as after torch's
@@ -385,6 +389,7 @@ def test_ctrl_c_inside_the_wait_of_a_chunked_call(gloo_ranks):
     assert results == [(True, True, [3.0] * 4), (None, True, [3.0] * 4)], results
 
 
+@ctrl_c_raising()
 def check_sigint_handler_set_inside_a_staged_call():
     """Code that runs inside a staged call (another signal's handler, in torch's call run after it) and sets a SIGINT
     handler keeps it after the call; code that reads the handler there and puts it back after the call keeps
