@@ -432,6 +432,103 @@ def test_sigint_handler_set_inside_a_staged_call(gloo_ranks):
     assert gloo_ranks.run(check_sigint_handler_set_inside_a_staged_call) == [(True, [2], True)] * 2
 
 
+def sigint_handler() -> str:
+    """This rank's SIGINT handler, by name (``SIG_IGN``, ``SIG_DFL``, or the function's)."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    return getattr(handler, "name", None) or getattr(handler, "__name__", repr(handler))
+
+
+def check_ignored_sigint_stays_ignored(ignore: bool):
+    """With SIGINT ignored (``ignore``: set here; else as the rank started), a SIGINT at each step of a group's first
+    staged call (the agreement), of a pipelined call's second chunk, of a call staged whole (its copy back) and
+    of an asynchronous call's ``wait()``: the shim never turns it into a ``KeyboardInterrupt``, never puts a handler
+    of its own in (each step sees ``SIG_IGN``), holds nothing back afterwards, and every result is torch's. Returns
+    the handlers seen, and afterwards."""
+    import signal
+
+    from offload_shim import _execute, _groups, _staging
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
+    group, seen = _group(timeout_s=20), []
+    tensor = rank_input((MiB,), torch.float32, seed=15)
+    want = _torch(lambda t: dist.all_reduce(t, group=group), tensor)
+    launcher, exchange, copy_back = _execute._launcher, _groups._exchange, _staging.StagedArguments.copy_back
+
+    def interrupt():
+        seen.append(sigint_handler())
+        signal.raise_signal(signal.SIGINT)
+
+    def interrupting_exchange(*args, **kwargs):
+        interrupt()
+        return exchange(*args, **kwargs)
+
+    def interrupting_launcher(chunks, call):
+        prepare, issue = launcher(chunks, call)
+
+        def interrupting_issue(prepared):
+            interrupt()
+            return issue(prepared)
+
+        return prepare, interrupting_issue
+
+    def interrupting_copy_back(self):
+        interrupt()
+        return copy_back(self)
+
+    _groups._exchange, _execute._launcher = interrupting_exchange, interrupting_launcher
+    _staging.StagedArguments.copy_back = interrupting_copy_back
+    try:
+        with staging_through_cpu(chunk_bytes=MiB, graphs=False):
+            results = []
+            for how in ("chunked", "whole", "wait"):
+                given = tensor.clone() if how != "whole" else tensor[: MiB // 8].clone()
+                work = dist.all_reduce(given, group=group, async_op=how == "wait")
+                if work is not None:
+                    work.wait()
+                results.append(same_bits(given, want if how != "whole" else want[: MiB // 8]))
+            time.sleep(0.01)  # (a pending handler would run by now)
+        held = bool(state.sigint_held or state.sigint_caught)
+    finally:
+        _groups._exchange, _execute._launcher, _staging.StagedArguments.copy_back = exchange, launcher, copy_back
+        after = sigint_handler()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    return sorted(set(seen)), len(seen) > 3, after, held, results
+
+
+def test_ignored_sigint_stays_ignored(gloo_ranks):
+    """A process that ignores SIGINT (a background job's) keeps ignoring it through staged calls."""
+    assert gloo_ranks.run(check_ignored_sigint_stays_ignored, True) == [
+        (["SIG_IGN"], True, "SIG_IGN", False, [True] * 3)] * 2
+
+
+def test_ctrl_c_cases_with_sigint_ignored_from_the_start():
+    """Ranks started the way a background job starts them (``python -m pytest > log 2>&1 &``, ``nohup``): SIGINT
+    ignored in the process that spawns them, so ignored from their start. The Ctrl-C cases still pass (they set
+    the handler they need), and the shim keeps the ignored SIGINT ignored."""
+    import signal
+
+    from ranks import RankPool
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = RankPool(world_size=2, backend="gloo")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert pool.run(sigint_handler) == ["SIG_IGN"] * 2  # (inherited: else this test tells nothing)
+        results = pool.run(check_ctrl_c_inside_a_pipelined_call, False)
+        assert results == [(True, True, [3.0] * 4), (False, True, [3.0] * 4)], results
+        assert pool.run(check_ctrl_c_inside_a_staged_call, "wait")[0][:2] == (True, True)
+        assert pool.run(sigint_handler) == ["SIG_IGN"] * 2  # (put back after each case)
+        assert pool.run(check_ignored_sigint_stays_ignored, False) == [
+            (["SIG_IGN"], True, "SIG_IGN", False, [True] * 3)] * 2
+    finally:
+        pool.close()
+
+
 def check_chunk_size_on_one_rank():
     """Row 4: a chunk size of 1 MiB on rank 0, the default on the others, at their first staged call on a group:
     the same clear error on every rank, before anything is sent; returns the error and how long it took."""
