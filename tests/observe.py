@@ -1,6 +1,6 @@
 """What the tests observe of offload_shim inside a rank: its staging decisions (logged at DEBUG on logger
 ``offload_shim``, with the record attributes ``offload_shim_collective`` and ``offload_shim_device``), the calls
-it makes of a torch function, and settings changed for one block."""
+it makes of a torch function, and settings changed for one block (the shim's, or Ctrl-C's handler)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import logging
 import os
+import signal
 
 import offload_shim
 
@@ -70,6 +71,23 @@ def counting_calls(module, name: str):
         yield calls
     finally:
         setattr(module, name, saved)
+
+
+@contextlib.contextmanager
+def ctrl_c_raising():
+    """SIGINT raises ``KeyboardInterrupt`` inside the block (Python's own handler), whatever this process inherited;
+    the handler as it was afterwards. Also a decorator, for a test function a rank runs (still importable by name).
+
+    A shell starts a background job (``python -m pytest > log 2>&1 &``, ``nohup``, some CI runners) with SIGINT
+    ignored, every process it starts inherits that (the ranks too: a spawned process keeps an ignored signal
+    ignored), and Python installs its handler only where SIGINT was not ignored at start: there a test's SIGINT
+    would be ignored, and its ``KeyboardInterrupt`` never come."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is not None:  # (None: a handler set outside Python, which Python cannot put back)
+            signal.signal(signal.SIGINT, previous)
 
 
 def rss_bytes() -> int:

@@ -36,7 +36,7 @@ import offload_shim
 from offload_shim._state import state
 from bitwise import same_bits
 from conftest import accelerator_rank_pool
-from observe import configured, counting_calls, rss_bytes
+from observe import configured, counting_calls, ctrl_c_raising, rss_bytes
 from ranks import RankPool
 from test_fork_cpu import run_fork_script
 from test_torch_semantics_cpu import COMPILED, opposite_orders
@@ -464,6 +464,7 @@ def check_small_calls_replayed():
     dist.destroy_process_group(slow)
 
 
+@ctrl_c_raising()
 def check_ctrl_c_during_a_replay():
     """A Ctrl-C while a replayed all_reduce waits for its graph (queued behind a 2 s GPU sleep): the
     ``KeyboardInterrupt`` comes once the caller's tensor holds the result, as after torch's one C++ call. The tensor

@@ -24,7 +24,7 @@ from offload_shim import _devices
 from offload_shim._state import state
 import recording
 from bitwise import same_bits
-from observe import configured, counting_calls
+from observe import configured, counting_calls, ctrl_c_raising
 from test_staging_cpu import rank_input, staging_through_cpu
 
 MiB = 1 << 20
@@ -182,6 +182,7 @@ def test_gather_input_inside_its_output_on_one_rank(gloo_ranks, three_gloo_ranks
             assert results == [(["cpu"], True)] * 2, results
 
 
+@ctrl_c_raising()
 def check_ctrl_c_inside_a_pipelined_call(first: bool):
     """Rank 0 gets SIGINT while a 4 MiB all_reduce in 1 MiB chunks runs (during its second chunk; or, ``first``,
     while the ranks compare settings before a group's first call): as after torch's one C++ call, the
@@ -239,6 +240,7 @@ def test_ctrl_c_inside_a_pipelined_call(gloo_ranks, first):
     assert results == [(True, True, [3.0] * 4), (False, True, [3.0] * 4)], results
 
 
+@ctrl_c_raising()
 def check_ctrl_c_inside_a_staged_call(mode: str):
     """Rank 0 gets SIGINT once the collective of a staged all_reduce is done on it and before its result is copied
     back: a small call (64 bytes), one staged whole (2 MiB, the chunks 4 MiB), or an asynchronous one whose
@@ -307,6 +309,7 @@ def _ctrl_c_raises() -> bool:
     return False
 
 
+@ctrl_c_raising()
 def check_ctrl_c_after_first_calls(case: str):
     """A group's first staged call, in which the ranks agree on their settings first: refused after the agreement
     and before anything is staged (an output whose elements share memory; a non-contiguous ``batch_isend_irecv``
@@ -345,6 +348,7 @@ def test_ctrl_c_after_first_calls(gloo_ranks, case):
     assert gloo_ranks.run(check_ctrl_c_after_first_calls, case) == [(True, True)] * 2
 
 
+@ctrl_c_raising()
 def check_ctrl_c_inside_the_wait_of_a_chunked_call():
     """Rank 0 gets SIGINT while it waits for an asynchronous 4 MiB all_reduce in 1 MiB chunks, which rank 1 joins only
     once the signal is sent: the ``KeyboardInterrupt`` comes once the tensor holds torch's result, as after torch's
@@ -385,6 +389,7 @@ def test_ctrl_c_inside_the_wait_of_a_chunked_call(gloo_ranks):
     assert results == [(True, True, [3.0] * 4), (None, True, [3.0] * 4)], results
 
 
+@ctrl_c_raising()
 def check_sigint_handler_set_inside_a_staged_call():
     """Code that runs inside a staged call (another signal's handler, in torch's call run after it) and sets a SIGINT
     handler keeps it after the call; code that reads the handler there and puts it back after the call keeps
@@ -425,6 +430,103 @@ def check_sigint_handler_set_inside_a_staged_call():
 
 def test_sigint_handler_set_inside_a_staged_call(gloo_ranks):
     assert gloo_ranks.run(check_sigint_handler_set_inside_a_staged_call) == [(True, [2], True)] * 2
+
+
+def sigint_handler() -> str:
+    """This rank's SIGINT handler, by name (``SIG_IGN``, ``SIG_DFL``, or the function's)."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    return getattr(handler, "name", None) or getattr(handler, "__name__", repr(handler))
+
+
+def check_ignored_sigint_stays_ignored(ignore: bool):
+    """With SIGINT ignored (``ignore``: set here; else as the rank started), a SIGINT at each step of a group's first
+    staged call (the agreement), of a pipelined call's second chunk, of a call staged whole (its copy back) and
+    of an asynchronous call's ``wait()``: the shim never turns it into a ``KeyboardInterrupt``, never puts a handler
+    of its own in (each step sees ``SIG_IGN``), holds nothing back afterwards, and every result is torch's. Returns
+    the handlers seen, and afterwards."""
+    import signal
+
+    from offload_shim import _execute, _groups, _staging
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
+    group, seen = _group(timeout_s=20), []
+    tensor = rank_input((MiB,), torch.float32, seed=15)
+    want = _torch(lambda t: dist.all_reduce(t, group=group), tensor)
+    launcher, exchange, copy_back = _execute._launcher, _groups._exchange, _staging.StagedArguments.copy_back
+
+    def interrupt():
+        seen.append(sigint_handler())
+        signal.raise_signal(signal.SIGINT)
+
+    def interrupting_exchange(*args, **kwargs):
+        interrupt()
+        return exchange(*args, **kwargs)
+
+    def interrupting_launcher(chunks, call):
+        prepare, issue = launcher(chunks, call)
+
+        def interrupting_issue(prepared):
+            interrupt()
+            return issue(prepared)
+
+        return prepare, interrupting_issue
+
+    def interrupting_copy_back(self):
+        interrupt()
+        return copy_back(self)
+
+    _groups._exchange, _execute._launcher = interrupting_exchange, interrupting_launcher
+    _staging.StagedArguments.copy_back = interrupting_copy_back
+    try:
+        with staging_through_cpu(chunk_bytes=MiB, graphs=False):
+            results = []
+            for how in ("chunked", "whole", "wait"):
+                given = tensor.clone() if how != "whole" else tensor[: MiB // 8].clone()
+                work = dist.all_reduce(given, group=group, async_op=how == "wait")
+                if work is not None:
+                    work.wait()
+                results.append(same_bits(given, want if how != "whole" else want[: MiB // 8]))
+            time.sleep(0.01)  # (a pending handler would run by now)
+        held = bool(state.sigint_held or state.sigint_caught)
+    finally:
+        _groups._exchange, _execute._launcher, _staging.StagedArguments.copy_back = exchange, launcher, copy_back
+        after = sigint_handler()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    return sorted(set(seen)), len(seen) > 3, after, held, results
+
+
+def test_ignored_sigint_stays_ignored(gloo_ranks):
+    """A process that ignores SIGINT (a background job's) keeps ignoring it through staged calls."""
+    assert gloo_ranks.run(check_ignored_sigint_stays_ignored, True) == [
+        (["SIG_IGN"], True, "SIG_IGN", False, [True] * 3)] * 2
+
+
+def test_ctrl_c_cases_with_sigint_ignored_from_the_start():
+    """Ranks started the way a background job starts them (``python -m pytest > log 2>&1 &``, ``nohup``): SIGINT
+    ignored in the process that spawns them, so ignored from their start. The Ctrl-C cases still pass (they set
+    the handler they need), and the shim keeps the ignored SIGINT ignored."""
+    import signal
+
+    from ranks import RankPool
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = RankPool(world_size=2, backend="gloo")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert pool.run(sigint_handler) == ["SIG_IGN"] * 2  # (inherited: else this test tells nothing)
+        results = pool.run(check_ctrl_c_inside_a_pipelined_call, False)
+        assert results == [(True, True, [3.0] * 4), (False, True, [3.0] * 4)], results
+        assert pool.run(check_ctrl_c_inside_a_staged_call, "wait")[0][:2] == (True, True)
+        assert pool.run(sigint_handler) == ["SIG_IGN"] * 2  # (put back after each case)
+        assert pool.run(check_ignored_sigint_stays_ignored, False) == [
+            (["SIG_IGN"], True, "SIG_IGN", False, [True] * 3)] * 2
+    finally:
+        pool.close()
 
 
 def check_chunk_size_on_one_rank():
