@@ -12,7 +12,7 @@ DESIGN = (ROOT / "docs" / "design.md").read_text()
 # The design card's top level and the usual project files; anything else must say in docs/design.md why it is there.
 PROJECT_FILES = {
     "setup.cfg", "pyproject.toml", "offload_shim", "sitecustomize_template.py", "tests", "README.md", "docs",
-    "examples", "benchmarks", "results", ".ci", "CONTRIBUTING.md", "LICENSE", "MANIFEST.in", ".gitignore",
+    "examples", "benchmarks", "results", ".ci", "CONTRIBUTING.md", "CHANGELOG.md", "LICENSE", "MANIFEST.in", ".gitignore",
 }
 
 

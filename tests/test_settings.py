@@ -19,11 +19,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def documented_variables() -> list[str]:
-    """The variables of docs/operations.md's settings table, in its order."""
+    """The variables of docs/operations.md's settings list, in its order."""
     text = (ROOT / "docs" / "operations.md").read_text()
     section = text[text.index("\n## Settings\n"):]
     section = section[: section.index("\n## ", 1)]
-    return re.findall(r"^\| `(OFFLOAD_SHIM\w*)` \|", section, re.M)
+    return re.findall(r"^- `(OFFLOAD_SHIM\w*)`:", section, re.M)
 
 
 def test_the_docs_table_is_the_one_list():
